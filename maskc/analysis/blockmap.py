@@ -1,0 +1,162 @@
+"""BlockMap: which tiles of the attention matrix are FULL, PARTIAL or EMPTY.
+
+Stored as runs: for every (b, h, q-tile) row, the [start, end) ranges of consecutive kv
+tiles that are FULL, and those that are PARTIAL, in CSR form (`*_offsets[row]` ..
+`*_offsets[row + 1]` index `*_runs`). A causal map is one FULL run and one PARTIAL run per
+row whatever the length. When the mask ignores b (or h) that dimension is stored once.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from maskc.analysis.classify import EMPTY, FULL, PARTIAL
+from maskc.analysis.pieces import Pieces
+
+_GLYPHS = {EMPTY: "·", PARTIAL: "░", FULL: "█"}
+_PICTURE_MAX = 64
+
+
+class BlockMap:
+    """The tile classification of one mask at given lengths and tile sizes.
+
+    >>> bm = maskc.block_map(maskc.masks.causal, q_len=1024, kv_len=1024, block_size=(128, 128))
+    >>> bm.num_full, bm.num_partial, bm.num_empty
+    (28, 8, 28)
+    >>> print(bm)          # picture of the tiles
+    >>> bm.to_dense()      # int8 [B', H', q_tiles, kv_tiles]: 0 EMPTY, 1 PARTIAL, 2 FULL
+    """
+
+    def __init__(self, pieces: Pieces, *, q_len: int, kv_len: int, block_size: tuple[int, int],
+                 mask_name: str = "mask", mask_mod=None):
+        self.q_len, self.kv_len = q_len, kv_len
+        self.block_size = tuple(block_size)
+        self.mask_name = mask_name
+        self.mask_mod = mask_mod
+        self.B, self.H, self.n_q = pieces.starts.shape[:3]
+        self.n_kv = pieces.n_kv
+        starts, ends = pieces.starts, pieces.ends()
+        width = ends - starts
+        rows = self.B * self.H * self.n_q
+        self.full_offsets, self.full_runs = _runs(starts, ends, (pieces.cls == FULL) & (width > 0), rows)
+        self.partial_offsets, self.partial_runs = _runs(starts, ends, (pieces.cls == PARTIAL) & (width > 0), rows)
+
+    # -- counts -----------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.B, self.H, self.n_q, self.n_kv)
+
+    @functools.cached_property
+    def num_full(self) -> int:
+        return _tiles(self.full_runs)
+
+    @functools.cached_property
+    def num_partial(self) -> int:
+        return _tiles(self.partial_runs)
+
+    @property
+    def num_empty(self) -> int:
+        return self.B * self.H * self.n_q * self.n_kv - self.num_full - self.num_partial
+
+    @property
+    def sparsity(self) -> float:
+        """Fraction of tiles skipped (EMPTY)."""
+        total = self.B * self.H * self.n_q * self.n_kv
+        return self.num_empty / total if total else 0.0
+
+    @property
+    def device(self) -> torch.device:
+        return self.full_offsets.device
+
+    # -- other forms ------------------------------------------------------------------------
+    def to_dense(self) -> torch.Tensor:
+        """int8 tensor [B', H', q_tiles, kv_tiles]: 0 EMPTY, 1 PARTIAL, 2 FULL."""
+        rows = self.B * self.H * self.n_q
+        grid = torch.zeros(rows, self.n_kv + 1, dtype=torch.int32, device=self.device)
+        for offsets, runs, value in ((self.full_offsets, self.full_runs, FULL),
+                                     (self.partial_offsets, self.partial_runs, PARTIAL)):
+            row = torch.repeat_interleave(torch.arange(rows, device=self.device), offsets.diff().long())
+            ones = torch.full((len(row),), value, dtype=torch.int32, device=self.device)
+            grid.index_put_((row, runs[:, 0].long()), ones, accumulate=True)
+            grid.index_put_((row, runs[:, 1].long()), -ones, accumulate=True)
+        return grid.cumsum(-1)[:, : self.n_kv].to(torch.int8).reshape(self.shape)
+
+    @functools.cached_property
+    def transposed(self) -> "BlockMap":
+        """The map of kv-tile rows over q tiles, for the backward pass's dK/dV loop."""
+        dense = self.to_dense().transpose(-1, -2)
+        pieces = Pieces.from_grid(dense, torch.ones_like(dense, dtype=torch.bool), dense.shape[:3])
+        return BlockMap(pieces, q_len=self.kv_len, kv_len=self.q_len, block_size=self.block_size[::-1],
+                        mask_name=f"{self.mask_name}ᵀ")
+
+    def to_flex_block_mask(self, B: int | None = None, H: int | None = None):
+        """The same tiles as a torch BlockMask for flex_attention (B, H broadcast to the given sizes)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        dense = self.to_dense()
+        if B is not None or H is not None:
+            dense = dense.expand(B or self.B, H or self.H, self.n_q, self.n_kv)
+        kv_num, kv_idx = _flex_lists(dense == PARTIAL)
+        full_num, full_idx = _flex_lists(dense == FULL)
+        mask_mod = self.mask_mod.fn if hasattr(self.mask_mod, "fn") else self.mask_mod
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=self.block_size,
+                                        mask_mod=mask_mod, seq_lengths=(self.q_len, self.kv_len))
+
+    def kernel_rows(self, batch: int, heads: int) -> tuple[int, int]:
+        """Row strides of b and h into the run tables for a launch of batch × heads programs."""
+        for name, stored, given in (("B", self.B, batch), ("H", self.H, heads)):
+            if stored not in (1, given):
+                raise ValueError(f"block_map was built for {name}={stored} but the inputs have {name}={given}; "
+                                 f"build it with {name}={given}")
+        return (self.H * self.n_q if self.B > 1 else 0, self.n_q if self.H > 1 else 0)
+
+    def to(self, device) -> "BlockMap":
+        new = object.__new__(BlockMap)
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if not isinstance(v, torch.Tensor)})
+        for k, v in self.__dict__.items():
+            if isinstance(v, torch.Tensor):
+                new.__dict__[k] = v.to(device)
+        return new
+
+    # -- picture ----------------------------------------------------------------------------
+    def __str__(self) -> str:
+        dense = self.to_dense()[0, 0].cpu()
+        step_q = max(1, -(-self.n_q // _PICTURE_MAX))
+        step_kv = max(1, -(-self.n_kv // _PICTURE_MAX))
+        head = (f"BlockMap({self.mask_name}, q_len={self.q_len}, kv_len={self.kv_len}, block_size={self.block_size}, "
+                f"stored B×H={self.B}×{self.H}, tiles {self.n_q}×{self.n_kv}: full={self.num_full} "
+                f"partial={self.num_partial} empty={self.num_empty}, sparsity={self.sparsity:.1%})")
+        lines = [head]
+        if step_q > 1 or step_kv > 1:
+            lines.append(f"(b=0, h=0; each character covers {step_q}×{step_kv} tiles)")
+        for i in range(0, self.n_q, step_q):
+            row = []
+            for j in range(0, self.n_kv, step_kv):
+                cell = dense[i:i + step_q, j:j + step_kv]
+                lo, hi = int(cell.min()), int(cell.max())
+                row.append(_GLYPHS[lo] if lo == hi else _GLYPHS[PARTIAL])
+            lines.append("".join(row))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.__str__().splitlines()[0]
+
+
+def _runs(starts, ends, sel, rows):
+    counts = sel.reshape(rows, -1).sum(-1)
+    offsets = torch.zeros(rows + 1, dtype=torch.int32, device=starts.device)
+    offsets[1:] = counts.cumsum(0)
+    runs = torch.stack([starts[sel], ends[sel]], dim=-1).to(torch.int32)
+    return offsets, runs
+
+
+def _tiles(runs) -> int:
+    return int((runs[:, 1] - runs[:, 0]).sum()) if len(runs) else 0
+
+
+def _flex_lists(sel):
+    num = sel.sum(-1).to(torch.int32)
+    # stable sort puts the selected tiles first, in increasing order
+    idx = torch.sort((~sel).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+    return num, idx

@@ -1,0 +1,98 @@
+"""FULL / PARTIAL / EMPTY verdicts for boolean expressions over a grid of tiles.
+
+A verdict is a pair of tensors: `cls` (EMPTY=0, PARTIAL=1, FULL=2) and `certain`, true
+where a PARTIAL verdict is known to be exact (the tile really mixes kept and dropped
+pairs). FULL and EMPTY are always exact; an uncertain PARTIAL is settled later by dense
+evaluation of that tile alone.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from maskc.analysis.intervals import IntervalEvaluator, _Undecidable
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def constant(value: bool, device):
+    return (torch.tensor(FULL if value else EMPTY, dtype=torch.int8, device=device),
+            torch.tensor(True, device=device))
+
+
+def combine_and(a, b):
+    (ca, ka), (cb, kb) = a, b
+    cls = torch.minimum(ca, cb)
+    # exact when one side is FULL and the other an exact PARTIAL
+    certain = ((ca == FULL) & kb) | ((cb == FULL) & ka)
+    return cls, certain
+
+
+def combine_or(a, b):
+    (ca, ka), (cb, kb) = a, b
+    cls = torch.maximum(ca, cb)
+    certain = ((ca == EMPTY) & kb) | ((cb == EMPTY) & ka)
+    return cls, certain
+
+
+def combine_not(a):
+    cls, certain = a
+    return (FULL - cls).to(torch.int8), certain
+
+
+def combine_xor(a, b):
+    (ca, ka), (cb, kb) = a, b
+    partial = (ca == PARTIAL) | (cb == PARTIAL)
+    decided = torch.where(ca == cb, EMPTY, FULL).to(torch.int8)
+    cls = torch.where(partial, torch.tensor(PARTIAL, dtype=torch.int8, device=ca.device), decided)
+    certain = ((ca != PARTIAL) & kb) | ((cb != PARTIAL) & ka)
+    return cls, certain
+
+
+def relation(rel, iv):
+    """Verdict of a canonical relation `e OP 0` from the interval of e."""
+    lo, hi = iv.lo, iv.hi
+    if isinstance(rel, sympy.GreaterThan):
+        full, empty, certain = lo >= 0, hi < 0, iv.tight
+    elif isinstance(rel, sympy.StrictGreaterThan):
+        full, empty, certain = lo > 0, hi <= 0, iv.tight
+    elif isinstance(rel, (sympy.Equality, sympy.Unequality)):
+        full, empty = (lo == 0) & (hi == 0), (lo > 0) | (hi < 0)
+        certain = iv.tight and iv.dense and lo.dtype == torch.int64
+        if isinstance(rel, sympy.Unequality):
+            full, empty = empty, full
+    else:
+        raise ValueError(f"relation {rel} is not in canonical form")
+    cls = torch.where(full, FULL, torch.where(empty, EMPTY, PARTIAL)).to(torch.int8)
+    return cls, torch.tensor(certain, device=cls.device).expand(cls.shape)
+
+
+def classify_grid(expr, evaluator: IntervalEvaluator):
+    """Verdict of boolean `expr` on every tile of the evaluator's frame."""
+    if expr is sympy.true or expr is sympy.false:
+        return constant(expr is sympy.true, evaluator.device)
+    if isinstance(expr, sympy.And):
+        return _fold(combine_and, [classify_grid(a, evaluator) for a in expr.args])
+    if isinstance(expr, sympy.Or):
+        return _fold(combine_or, [classify_grid(a, evaluator) for a in expr.args])
+    if isinstance(expr, sympy.Xor):
+        return _fold(combine_xor, [classify_grid(a, evaluator) for a in expr.args])
+    if isinstance(expr, sympy.Not):
+        return combine_not(classify_grid(expr.args[0], evaluator))
+    if isinstance(expr, sympy.core.relational.Relational):
+        diff = expr.lhs - expr.rhs
+        try:
+            iv = evaluator.run(diff)
+        except _Undecidable:
+            shape = torch.broadcast_shapes(*(f.lo.shape for f in evaluator.frame.values()))
+            return (torch.full(shape, PARTIAL, dtype=torch.int8, device=evaluator.device),
+                    torch.zeros(shape, dtype=torch.bool, device=evaluator.device))
+        return relation(expr, iv)
+    raise ValueError(f"cannot classify {type(expr).__name__} ({expr}); expected a boolean expression")
+
+
+def _fold(op, verdicts):
+    out = verdicts[0]
+    for v in verdicts[1:]:
+        out = op(out, v)
+    return out

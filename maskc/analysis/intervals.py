@@ -1,0 +1,291 @@
+"""Interval arithmetic over tiles: the range of an expression on every tile at once.
+
+Each index symbol is bound to a pair of broadcastable tensors (lowest and highest value on
+the tile), so one pass of arithmetic covers the whole grid of tiles. Results carry two
+facts used to decide when a PARTIAL verdict is certain rather than merely safe:
+`tight` (lo and hi are attained on the tile) and `dense` (every integer between them is).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+
+from maskc.trace.symbols import INDEX_SYMBOLS, LoadBool, is_load
+
+
+@dataclass
+class Interval:
+    lo: torch.Tensor
+    hi: torch.Tensor
+    tight: bool
+    dense: bool
+    vars: frozenset
+
+    @staticmethod
+    def const(value, device) -> "Interval":
+        dtype = torch.int64 if isinstance(value, int) else torch.float64
+        t = torch.tensor(value, dtype=dtype, device=device)
+        return Interval(t, t, True, True, frozenset())
+
+
+def _floordiv(a, b):
+    return torch.div(a, b, rounding_mode="floor")
+
+
+class IntervalEvaluator:
+    """Ranges of integer/real expressions over tiles.
+
+    `frame` maps index symbols to Intervals; `values` maps parameter symbols to numbers;
+    `summaries` gives per-tensor range-min/max tables for captured-tensor loads.
+    """
+
+    def __init__(self, frame: dict, values: dict, summaries, device):
+        self.frame, self.values, self.summaries, self.device = frame, values, summaries, device
+
+    def run(self, e) -> Interval:
+        if isinstance(e, sympy.Integer):
+            return Interval.const(int(e), self.device)
+        if e.is_Number:
+            return Interval.const(float(e), self.device)
+        if isinstance(e, sympy.Symbol):
+            if e in self.frame:
+                return self.frame[e]
+            return Interval.const(self.values[e], self.device)
+        if is_load(e):
+            return self._load(e)
+        affine = self._affine(e)
+        if affine is not None:
+            return affine
+        method = getattr(self, "_" + type(e).__name__, None)
+        if method is None:
+            return self._unknown(e)
+        return method(e)
+
+    # -- exact for affine expressions: the extremes sit at the tile corners -----------------
+    def _affine(self, e):
+        syms = [s for s in INDEX_SYMBOLS if s in e.free_symbols]
+        if not syms or not (e.free_symbols - set(syms)) <= set(self.values):
+            return None
+        if e.atoms(sympy.Function) or not e.is_polynomial(*syms):
+            return None
+        poly = sympy.Poly(e.xreplace({k: sympy.sympify(v) for k, v in self.values.items()}), *syms)
+        if poly.total_degree() > 1:
+            return None
+        coeffs = poly.as_expr().as_coefficients_dict()
+        const = coeffs.get(sympy.Integer(1), 0)
+        lo = hi = _scalar(const, self.device)
+        unit = True
+        for s in syms:
+            c = coeffs.get(s, 0)
+            if c == 0:
+                continue
+            unit = unit and abs(c) == 1
+            iv = self.frame[s]
+            c = _number(c)
+            a, b = iv.lo * c, iv.hi * c
+            lo, hi = lo + torch.minimum(a, b), hi + torch.maximum(a, b)
+        integer = all(_number(v) == int(_number(v)) for v in coeffs.values())
+        return Interval(lo, hi, True, unit and integer, frozenset(syms))
+
+    def _unknown(self, e):
+        raise _Undecidable(e)
+
+    def _Add(self, e):
+        parts = [self.run(a) for a in e.args]
+        lo, hi = parts[0].lo, parts[0].hi
+        for p in parts[1:]:
+            lo, hi = lo + p.lo, hi + p.hi
+        independent = _independent(parts)
+        return Interval(lo, hi, independent and all(p.tight for p in parts),
+                        independent and all(p.dense for p in parts), _vars(parts))
+
+    def _Mul(self, e):
+        parts = [self.run(a) for a in e.args]
+        out = parts[0]
+        for p in parts[1:]:
+            products = [out.lo * p.lo, out.lo * p.hi, out.hi * p.lo, out.hi * p.hi]
+            lo = torch.minimum(torch.minimum(products[0], products[1]), torch.minimum(products[2], products[3]))
+            hi = torch.maximum(torch.maximum(products[0], products[1]), torch.maximum(products[2], products[3]))
+            scalar = not out.vars or not p.vars
+            out = Interval(lo, hi, scalar and out.tight and p.tight, False, out.vars | p.vars)
+        return out
+
+    def _Pow(self, e):
+        base = self.run(e.base)
+        if e.exp.is_Integer and int(e.exp) >= 0 and int(e.exp) % 2 == 1:
+            k = int(e.exp)
+            return Interval(base.lo**k, base.hi**k, base.tight, False, base.vars)
+        return self._unknown(e)
+
+    def _floor(self, e):
+        num, den = sympy.fraction(sympy.together(e.args[0]))
+        den_iv = self.run(den)
+        if den != 1 and den_iv.lo.dim() == 0 and bool(den_iv.lo == den_iv.hi) and den_iv.lo.dtype == torch.int64:
+            d = int(den_iv.lo)
+            if d == 0:
+                return self._unknown(e)
+            x = self.run(num)
+            if x.lo.dtype == torch.int64:
+                a, b = _floordiv(x.lo, d), _floordiv(x.hi, d)
+                lo, hi = (a, b) if d > 0 else (b, a)
+                return Interval(lo, hi, x.tight, x.dense, x.vars)
+        x = self.run(e.args[0])
+        return Interval(torch.floor(x.lo), torch.floor(x.hi), x.tight, False, x.vars)
+
+    def _Mod(self, e):
+        x, m = self.run(e.args[0]), self.run(e.args[1])
+        if m.lo.dim() != 0 or bool(m.lo != m.hi) or m.lo.dtype != torch.int64 or int(m.lo) == 0:
+            return self._unknown(e)
+        mod = int(m.lo)
+        if mod < 0:
+            return self._unknown(e)
+        wraps = _floordiv(x.lo, mod) != _floordiv(x.hi, mod)
+        lo = torch.where(wraps, torch.zeros_like(x.lo), torch.remainder(x.lo, mod))
+        hi = torch.where(wraps, torch.full_like(x.hi, mod - 1), torch.remainder(x.hi, mod))
+        # A wrapping dense range reaches both 0 and mod-1; a non-wrapping one is a shifted copy.
+        return Interval(lo, hi, x.tight and x.dense, x.dense and not bool(wraps.any()), x.vars)
+
+    def _Min(self, e):
+        parts = [self.run(a) for a in e.args]
+        lo, hi = parts[0].lo, parts[0].hi
+        for p in parts[1:]:
+            lo, hi = torch.minimum(lo, p.lo), torch.minimum(hi, p.hi)
+        return Interval(lo, hi, _independent(parts) and all(p.tight for p in parts), False, _vars(parts))
+
+    def _Max(self, e):
+        parts = [self.run(a) for a in e.args]
+        lo, hi = parts[0].lo, parts[0].hi
+        for p in parts[1:]:
+            lo, hi = torch.maximum(lo, p.lo), torch.maximum(hi, p.hi)
+        return Interval(lo, hi, _independent(parts) and all(p.tight for p in parts), False, _vars(parts))
+
+    def _Abs(self, e):
+        x = self.run(e.args[0])
+        zero = torch.zeros_like(x.lo)
+        lo = torch.where(x.lo >= 0, x.lo, torch.where(x.hi <= 0, -x.hi, zero))
+        hi = torch.maximum(x.lo.abs(), x.hi.abs())
+        return Interval(lo, hi, x.tight and x.dense, x.dense, x.vars)
+
+    def _Piecewise(self, e):
+        from maskc.analysis.classify import FULL, EMPTY, classify_grid
+
+        out = self.run(e.args[-1].expr)
+        tight = out.tight
+        for branch in reversed(e.args[:-1]):
+            verdict, _ = classify_grid(branch.cond, self)
+            val = self.run(branch.expr)
+            lo = torch.where(verdict == FULL, val.lo, torch.where(verdict == EMPTY, out.lo, torch.minimum(val.lo, out.lo)))
+            hi = torch.where(verdict == FULL, val.hi, torch.where(verdict == EMPTY, out.hi, torch.maximum(val.hi, out.hi)))
+            tight = tight and val.tight and not bool((verdict == 1).any())
+            out = Interval(lo, hi, tight, False, out.vars | val.vars)
+        return out
+
+    def _load(self, e):
+        slot = int(e.args[0])
+        index = [self.run(i) for i in e.args[1:]]
+        lo, hi = self.summaries.range(slot, index)
+        last = index[-1] if index else None
+        tight = last is None or (last.tight and last.dense and all(bool((i.lo == i.hi).all()) for i in index[:-1]))
+        return Interval(lo, hi, tight, isinstance(e, LoadBool), _vars(index))
+
+
+class _Undecidable(Exception):
+    """Raised inside evaluation when an expression has no interval rule; callers fall back."""
+
+
+def _independent(parts) -> bool:
+    seen = set()
+    for p in parts:
+        if seen & p.vars:
+            return False
+        seen |= p.vars
+    return True
+
+
+def _vars(parts) -> frozenset:
+    out = frozenset()
+    for p in parts:
+        out |= p.vars
+    return out
+
+
+def _number(c):
+    c = sympy.sympify(c)
+    return int(c) if c.is_Integer else float(c)
+
+
+def _scalar(c, device):
+    v = _number(c)
+    return torch.tensor(v, dtype=torch.int64 if isinstance(v, int) else torch.float64, device=device)
+
+
+class TensorSummaries:
+    """Range-minimum/maximum tables of captured tensors along their last dimension.
+
+    Built in O(n log n) per tensor, answered in O(1) per tile; an index range reaching
+    outside the tensor includes 0, the value an out-of-range load reads.
+    """
+
+    def __init__(self, tensors, device):
+        self.tensors = [t.to(device) for t in tensors]
+        self._tables = {}
+
+    def _table(self, slot):
+        if slot not in self._tables:
+            t = self.tensors[slot]
+            base = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
+            base = base.to(torch.float64 if t.dtype.is_floating_point else torch.int64)
+            mins, maxs = [base], [base]
+            width = 1
+            while 2 * width <= base.shape[-1]:
+                prev_min, prev_max = mins[-1], maxs[-1]
+                mins.append(torch.minimum(prev_min[:, :-width], prev_min[:, width:]))
+                maxs.append(torch.maximum(prev_max[:, :-width], prev_max[:, width:]))
+                width *= 2
+            self._tables[slot] = (mins, maxs)
+        return self._tables[slot]
+
+    def range(self, slot, index):
+        t = self.tensors[slot]
+        mins, maxs = self._table(slot)
+        if t.dim() == 0:
+            v = mins[0][0, 0]
+            return v, v
+        n = t.shape[-1]
+        inside = torch.tensor(True, device=t.device)
+        row = torch.tensor(0, device=t.device)
+        for dim, iv in enumerate(index[:-1]):
+            if not bool((iv.lo == iv.hi).all()):
+                return self._whole(slot)
+            inside = inside & (iv.lo >= 0) & (iv.lo < t.shape[dim])
+            row = row * t.shape[dim] + iv.lo.clamp(0, t.shape[dim] - 1)
+        last = index[-1]
+        first = last.lo.clamp(0, n - 1)
+        final = last.hi.clamp(0, n - 1)
+        first, final, row = torch.broadcast_tensors(first, final, row)
+        level = torch.log2((final - first + 1).to(torch.float64)).floor().to(torch.int64)
+        lo = torch.empty(first.shape, dtype=mins[0].dtype, device=t.device)
+        hi = torch.empty(first.shape, dtype=mins[0].dtype, device=t.device)
+        for k in range(len(mins)):
+            sel = level == k
+            if not bool(sel.any()):
+                continue
+            span = 1 << k
+            a, b, r = first[sel], final[sel] - span + 1, row[sel]
+            lo[sel] = torch.minimum(mins[k][r, a], mins[k][r, b])
+            hi[sel] = torch.maximum(maxs[k][r, a], maxs[k][r, b])
+        zero = torch.zeros((), dtype=lo.dtype, device=t.device)
+        outside = (last.lo < 0) | (last.hi >= n) | ~inside
+        nowhere = (last.hi < 0) | (last.lo >= n) | ~inside
+        lo = torch.where(nowhere, zero, torch.where(outside, torch.minimum(lo, zero), lo))
+        hi = torch.where(nowhere, zero, torch.where(outside, torch.maximum(hi, zero), hi))
+        return lo, hi
+
+    def _whole(self, slot):
+        t = self.tensors[slot]
+        zero = torch.zeros((), dtype=torch.float64 if t.dtype.is_floating_point else torch.int64, device=t.device)
+        flat = t.reshape(-1).to(zero.dtype)
+        return torch.minimum(flat.min(), zero), torch.maximum(flat.max(), zero)
+

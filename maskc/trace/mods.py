@@ -1,0 +1,96 @@
+"""MaskMod and ScoreMod: a user function together with its trace."""
+from __future__ import annotations
+
+import functools
+import weakref
+
+from maskc.trace.tracer import Traced, trace
+
+
+class _Mod:
+    kind = ""
+    _maskc_mod = True  # lets the tracer see through composed mods without importing this module
+
+    def __init__(self, fn, name: str | None = None):
+        self.fn = fn.fn if isinstance(fn, _Mod) else fn
+        functools.update_wrapper(self, self.fn)
+        if name is not None:
+            self.__name__ = self.__qualname__ = name
+        self.traced: Traced = trace(self, self.kind)
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    @property
+    def expr(self):
+        return self.traced.expr
+
+    @property
+    def signature(self) -> str:
+        return self.traced.signature
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.__name__}: {self.traced.expr})"
+
+
+class MaskMod(_Mod):
+    """A traced mask_mod(b, h, q_idx, kv_idx) -> bool; still callable like the function."""
+
+    kind = "mask_mod"
+
+
+class ScoreMod(_Mod):
+    """A traced score_mod(score, b, h, q_idx, kv_idx) -> score; still callable like the function."""
+
+    kind = "score_mod"
+
+
+def mask_mod(fn=None, *, name: str | None = None):
+    """Trace `fn` now and return a MaskMod.
+
+    >>> @maskc.mask_mod
+    ... def causal(b, h, q_idx, kv_idx):
+    ...     return q_idx >= kv_idx
+    """
+    if fn is None:
+        return lambda f: MaskMod(f, name)
+    return MaskMod(fn, name)
+
+
+def score_mod(fn=None, *, name: str | None = None):
+    """Trace `fn` now and return a ScoreMod.
+
+    >>> @maskc.score_mod
+    ... def softcap(score, b, h, q_idx, kv_idx):
+    ...     return 30.0 * torch.tanh(score / 30.0)
+    """
+    if fn is None:
+        return lambda f: ScoreMod(f, name)
+    return ScoreMod(fn, name)
+
+
+# Plain functions are traced on first use; the trace is kept as long as the function lives.
+_plain_traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _as(cls, fn):
+    if fn is None or isinstance(fn, cls):
+        return fn
+    if isinstance(fn, _Mod):
+        raise TypeError(f"expected a {cls.kind}, got a {fn.kind} '{fn.__name__}'; "
+                        f"pass it as {fn.kind}= instead")
+    try:
+        cached = _plain_traces.get(fn)
+    except TypeError:  # not weak-referenceable: trace every time
+        return cls(fn)
+    if cached is None:
+        cached = _plain_traces[fn] = cls(fn)
+    return cached
+
+
+def as_mask_mod(fn) -> MaskMod | None:
+    return _as(MaskMod, fn)
+
+
+def as_score_mod(fn) -> ScoreMod | None:
+    return _as(ScoreMod, fn)

@@ -1,0 +1,55 @@
+"""The sympy vocabulary of traced expressions: index symbols, parameters and tensor loads."""
+import sympy
+
+# Index arguments are nonnegative integers; declaring it lets sympy fold `q_idx >= 0` to True.
+B = sympy.Symbol("b", integer=True, nonnegative=True)
+H = sympy.Symbol("h", integer=True, nonnegative=True)
+Q_IDX = sympy.Symbol("q_idx", integer=True, nonnegative=True)
+KV_IDX = sympy.Symbol("kv_idx", integer=True, nonnegative=True)
+SCORE = sympy.Symbol("score", real=True)
+INDEX_SYMBOLS = (B, H, Q_IDX, KV_IDX)
+
+
+def param_symbol(position: int, is_int: bool) -> sympy.Symbol:
+    """The symbol of the runtime scalar parameter at `position` (p0, p1, ...)."""
+    if is_int:
+        return sympy.Symbol(f"p{position}", integer=True)
+    return sympy.Symbol(f"p{position}", real=True)
+
+
+def is_param(sym) -> bool:
+    return isinstance(sym, sympy.Symbol) and sym.name[:1] == "p" and sym.name[1:].isdigit()
+
+
+class LoadInt(sympy.Function):
+    """`LoadInt(t, i0, i1, ...)`: element (i0, i1, ...) of captured integer tensor number t."""
+
+    def _eval_is_integer(self):
+        return True
+
+    def _eval_is_real(self):
+        return True
+
+
+class LoadFloat(sympy.Function):
+    """`LoadFloat(t, i0, ...)`: element of captured floating-point tensor number t."""
+
+    def _eval_is_real(self):
+        return True
+
+
+class LoadBool(sympy.Function):
+    """`LoadBool(t, i0, ...)`: element of captured boolean tensor number t, read as 0 or 1."""
+
+    def _eval_is_integer(self):
+        return True
+
+    def _eval_is_nonnegative(self):
+        return True
+
+
+LOADS = (LoadInt, LoadFloat, LoadBool)
+
+
+def is_load(expr) -> bool:
+    return isinstance(expr, LOADS)
