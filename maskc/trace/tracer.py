@@ -46,10 +46,11 @@ class Traced:
     params: tuple[Param, ...]
     tensors: tuple[torch.Tensor, ...]
 
-    @property
-    def signature(self) -> str:
-        """Canonical text of the expression: equal for equivalent spellings and for any values."""
-        return sympy.srepr(self.expr)
+    signature: str = ""  # canonical text of expr: equal for equivalent spellings and any values
+
+    def __post_init__(self):
+        # computed once: the signature is part of every kernel-cache lookup on the hot path
+        object.__setattr__(self, "signature", sympy.srepr(self.expr))
 
     @property
     def digest(self) -> str:

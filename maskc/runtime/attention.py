@@ -1,0 +1,158 @@
+"""compiled_attention(): validate inputs, find the kernel and block map, launch."""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+
+from maskc.analysis.blockmap import BlockMap
+from maskc.analysis.build import block_map as build_block_map
+from maskc.runtime.configs import padded
+from maskc.runtime.kernel import _DTYPES, _kernel
+from maskc.codegen.spec import merge
+from maskc.trace.mods import as_mask_mod, as_score_mod
+
+_LOG2E = 1.4426950408889634
+_BLOCK_MAPS: OrderedDict = OrderedDict()
+_BLOCK_MAP_SLOTS = 64
+
+
+def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enable_gqa=False, return_lse=False,
+                       block_map: BlockMap | None = None):
+    """Attention with a specialised, tile-skipping kernel.
+
+    q [B, Hq, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv] (FlexAttention's shapes).
+    Returns out [B, Hq, Lq, Dv], or (out, lse) with lse float32 [B, Hq, Lq] in natural log.
+    Rows with no kept key give out = 0 and lse = -inf. CPU tensors run the same generated
+    kernel through Triton's interpreter.
+
+    >>> out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.sliding_window(1024))
+    """
+    _check_tensors(q, k, v, enable_gqa)
+    if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
+        raise NotImplementedError("maskc.compiled_attention has no backward pass yet; call it under "
+                                  "torch.no_grad() or pass detached tensors")
+    mask, score = as_mask_mod(mask_mod), as_score_mod(score_mod)
+    B, Hq, Lq, D = q.shape
+    Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    if Lq == 0 or Lkv == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return (out, lse) if return_lse else out
+
+    traced = [m.traced for m in (mask, score) if m is not None]
+    for t in traced:
+        for i, tensor in enumerate(t.tensors):
+            if tensor.device != q.device:
+                raise ValueError(f"{t.kind} '{t.name}' captured tensor #{i} lives on {tensor.device} but q is on "
+                                 f"{q.device}; move the captured tensor to {q.device}")
+    tiles = None
+    if block_map is not None:
+        tiles = _check_block_map(block_map, Lq, Lkv, B, Hq)
+    kernel = _kernel(mask.traced if mask else None, score.traced if score else None, q.dtype, D, Dv,
+                     Hq != Hkv, tiles, q.device)
+    spec = kernel.spec
+    if block_map is None:
+        block_map = _cached_block_map(mask, Lq, Lkv, (spec.block_m, spec.block_n), B, Hq, q.device)
+    row_b, row_h = block_map.kernel_rows(B, Hq)
+
+    _, _, tensors, params = merge(mask.traced if mask else None, score.traced if score else None)
+    extra = []
+    for t in tensors:
+        extra += [t, *t.stride(), *t.shape]
+    extra += [p.value for p in params]
+    interpret = q.device.type != "cuda"
+    fn = kernel.function(interpret)
+    grid = (triton_cdiv(Lq, spec.block_m), B * Hq)
+    fn[grid](
+        q, k, v, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        Hq, Hq // Hkv, Lq, Lkv, scale if score is not None else scale * _LOG2E,
+        block_map.full_offsets, block_map.full_runs, block_map.partial_offsets, block_map.partial_runs,
+        row_b, row_h, *extra,
+        HEAD_DIM=D, HEAD_DIM_V=Dv, D_PAD=padded(D), DV_PAD=padded(Dv),
+        BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, EVEN_KV=Lkv % spec.block_n == 0,
+        K_UNMASKED=Lkv % spec.block_n == 0 and D == padded(D),
+        V_UNMASKED=Lkv % spec.block_n == 0 and Dv == padded(Dv),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=spec.num_warps, num_stages=spec.num_stages,
+    )
+    return (out, lse) if return_lse else out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_tensors(q, k, v, enable_gqa):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions [B, H, L, D], got shape {tuple(t.shape)}; "
+                             f"add the missing batch or head dimension with unsqueeze")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them to one")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q, k and v must be float16, bfloat16 or float32, got {q.dtype}; cast them")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}; move them")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}; they must match")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same length, got {k.shape[2]} and {v.shape[2]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head dim, got {q.shape[3]} and {k.shape[3]}")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv:
+        if hkv == 0 or hq % hkv:
+            raise ValueError(f"q has {hq} heads, not a multiple of k's {hkv}; grouped-query attention needs "
+                             f"Hq % Hkv == 0")
+        if not enable_gqa:
+            raise ValueError(f"q has {hq} heads and k has {hkv}; pass enable_gqa=True for grouped-query attention")
+    for name, d in (("q/k", q.shape[3]), ("v", v.shape[3])):
+        if not 16 <= d <= 256:
+            raise ValueError(f"{name} head dim must be between 16 and 256, got {d}; pad or split the heads")
+
+
+def _check_block_map(bm: BlockMap, Lq, Lkv, B, Hq):
+    if not isinstance(bm, BlockMap):
+        raise TypeError(f"block_map must be a maskc.BlockMap from maskc.block_map(), got {type(bm).__name__}")
+    if (bm.q_len, bm.kv_len) != (Lq, Lkv):
+        raise ValueError(f"block_map was built for q_len={bm.q_len}, kv_len={bm.kv_len} but the inputs have "
+                         f"q_len={Lq}, kv_len={Lkv}; build it with maskc.block_map(mask, {Lq}, {Lkv})")
+    for size in bm.block_size:
+        if size < 16 or size > 256 or size & (size - 1):
+            raise ValueError(f"block_map tile sizes must be powers of two from 16 to 256, got {bm.block_size}; "
+                             f"build it with block_size=(128, 64) or leave block_map out")
+    bm.kernel_rows(B, Hq)
+    return bm.block_size
+
+
+def _cached_block_map(mask, Lq, Lkv, block_size, B, Hq, device) -> BlockMap:
+    if mask is None:
+        mask = as_mask_mod(_keep_all)
+    t = mask.traced
+    key = (t.signature, tuple(p.value for p in t.params), tuple((id(x), x._version) for x in t.tensors),
+           Lq, Lkv, block_size, B, Hq, device)
+    bm = _BLOCK_MAPS.get(key)
+    if bm is not None:
+        _BLOCK_MAPS.move_to_end(key)
+        return bm
+    bm = build_block_map(mask, Lq, Lkv, block_size=block_size, B=B, H=Hq, device=device)
+    _BLOCK_MAPS[key] = bm
+    if len(_BLOCK_MAPS) > _BLOCK_MAP_SLOTS:
+        _BLOCK_MAPS.popitem(last=False)
+    return bm
+
+
+def _keep_all(b, h, q_idx, kv_idx):
+    return q_idx >= 0
+
+
