@@ -42,7 +42,7 @@ def block_map(mask_mod, q_len: int, kv_len: int, *, block_size=(128, 128), B: in
     free = traced.expr.free_symbols
     n_b = _dim(mm, free, S.B, B, "B", "batch size")
     n_h = _dim(mm, free, S.H, H, "H", "number of query heads")
-    device = torch.device(device) if device is not None else _tensor_device(traced.tensors)
+    device = _normalise(torch.device(device) if device is not None else _tensor_device(traced.tensors))
     for i, t in enumerate(traced.tensors):
         if t.device != device:
             raise ValueError(f"mask_mod '{mm.__name__}' captured tensor #{i} on {t.device} but the block map is "
@@ -69,6 +69,13 @@ def _dim(mm, free, symbol, given, name, meaning) -> int:
         raise ValueError(f"mask_mod '{mm.__name__}' reads {symbol}, so the block map differs per {symbol}; "
                          f"pass {name}= (the {meaning})")
     return int(given)
+
+
+def _normalise(device: torch.device) -> torch.device:
+    """'cuda' means the current CUDA device: name its index so comparisons with tensors hold."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _tensor_device(tensors):

@@ -131,7 +131,8 @@ def trace(fn, kind: str) -> Traced:
     name = getattr(fn, "__name__", type(fn).__name__)
     user_fn = _user_function(fn)
     if user_fn is None:
-        raise TypeError(f"{kind} must be a Python function or lambda, got {type(fn).__name__}; "
+        got = fn.fn if getattr(fn, "_maskc_mod", False) else fn  # name what the user passed, not our wrapper
+        raise TypeError(f"{kind} must be a Python function or lambda, got {type(got).__name__}; "
                         f"define it with def or lambda")
     nargs = 5 if kind == "score_mod" else 4
     expected = "(score, b, h, q_idx, kv_idx)" if kind == "score_mod" else "(b, h, q_idx, kv_idx)"

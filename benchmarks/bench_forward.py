@@ -1,0 +1,113 @@
+"""Forward attention: maskc beside FlexAttention and scaled_dot_product_attention, one run.
+
+    python benchmarks/bench_forward.py                    # B=4 H=16 L=8192 D=128 bf16
+    python benchmarks/bench_forward.py --dim 64 --length 16384
+
+TFLOP/s count 4·B·H·D·(pairs the mask keeps) for every implementation. Each maskc output
+is checked against FlexAttention on the full problem and against the float64 reference on
+one (b, h) slice. Mask construction is timed separately from attention.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).parent))
+import maskc  # noqa: E402
+from maskc.testing import attention_reference, dense_mask  # noqa: E402
+from workloads import workloads  # noqa: E402
+
+flex = torch.compile(flex_attention, dynamic=False)
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def time_block_map(mask, L, block_size, dev) -> float:
+    """Milliseconds to build the block map (median of 5 builds, each from scratch)."""
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        maskc.block_map(mask, L, L, block_size=block_size, device=dev)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[2]
+
+
+def rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--only", default="", help="workload names to run, separated by |")
+    args = ap.parse_args()
+    B, H, L, D = args.batch, args.heads, args.length, args.dim
+    dev = "cuda"
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"B={B} H={H} L={L} D={D} bf16")
+    rows = []
+    for name, mask, score in workloads(L, H, dev):
+        if args.only and name not in args.only.split("|"):
+            continue
+        keep = dense_mask(mask, L, L, device=dev)[0, 0] if mask is not None else None
+        pairs = int(keep.sum()) if keep is not None else L * L
+        flops = 4 * B * H * D * pairs
+        spec = maskc.compile(mask, score, dtype=q.dtype, head_dim=D).spec
+        t_map = time_block_map(mask, L, (spec.block_m, spec.block_n), dev) if mask is not None else 0.0
+        run_maskc = lambda: maskc.compiled_attention(q, k, v, mask_mod=mask, score_mod=score)  # noqa: E731
+        out = run_maskc()
+        flex_bm = create_block_mask(mask.fn, None, None, L, L, device=dev) if mask is not None else None
+        run_flex = lambda: flex(q, k, v, score_mod=score.fn if score else None, block_mask=flex_bm)  # noqa: E731
+        ref_flex = run_flex()
+        err_flex = rel_err(out, ref_flex)
+        ref64, _ = attention_reference(q[:1, :1], k[:1, :1], v[:1, :1], mask, score)
+        err_ref = rel_err(out[:1, :1], ref64)
+        t_maskc = bench(run_maskc)
+        t_flex = bench(run_flex)
+        t_flex_mask = bench(lambda: create_block_mask(mask.fn, None, None, L, L, device=dev)) if mask else 0.0
+        t_sdpa = None
+        if score is None:
+            if mask is None:
+                run_sdpa = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
+            elif mask is maskc.masks.causal:
+                run_sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+            else:
+                run_sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # noqa: E731
+            t_sdpa = bench(run_sdpa)
+        tf = lambda t: flops / (t * 1e-3) / 1e12  # noqa: E731
+        rows.append((name, tf(t_maskc), tf(t_flex), tf(t_sdpa) if t_sdpa else None, t_map, t_flex_mask,
+                     err_ref, err_flex))
+        print(f"{name:24s} maskc {tf(t_maskc):6.1f}  flex {tf(t_flex):6.1f}  "
+              f"sdpa {tf(t_sdpa) if t_sdpa else float('nan'):6.1f} TFLOP/s | err vs f64 {err_ref:.1e} "
+              f"vs flex {err_flex:.1e}", flush=True)
+        assert err_ref < 2e-2 and math.isfinite(err_ref), f"{name}: maskc disagrees with the reference"
+    print()
+    print(f"| workload (B={B} H={H} L={L} D={D} bf16) | maskc | FlexAttention | SDPA | maskc/Flex | maskc/SDPA "
+          f"| maskc block map ms | flex create_block_mask ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, m, f, s, tm, tfm in (r[:6] for r in rows):
+        s_txt = f"{s:.0f}" if s else "—"
+        ratio_s = f"{m / s:.2f}" if s else "—"
+        print(f"| {name} | {m:.0f} | {f:.0f} | {s_txt} | {m / f:.2f} | {ratio_s} | {tm:.1f} | {tfm:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""Hypothesis profiles for the suite.
+
+`maskc` (the default) keeps the whole suite to a few minutes on a small CPU; pass
+`--hypothesis-profile=thorough` for a long fuzzing run. Every failure prints the
+`@reproduce_failure` blob that replays it.
+"""
+import pathlib
+import sys
+
+from hypothesis import HealthCheck, settings
+
+# NOTE: lets `pytest` run from a checkout without installing maskc; appended, so an
+# installed maskc (a wheel under test) still wins.
+sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent))
+
+# Drawing a mask traces it with sympy, which hypothesis's health check can take for a slow strategy.
+settings.register_profile("maskc", max_examples=40, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", parent=settings.get_profile("maskc"), max_examples=2000)
+settings.load_profile("maskc")

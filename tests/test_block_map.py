@@ -1,0 +1,231 @@
+"""Block maps: sound for every mask, exact for the standard ones, cheap at long lengths."""
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import maskc
+from maskc import masks
+from maskc.analysis import EMPTY, FULL, PARTIAL
+from maskc.analysis.dense import evaluate, symbols_env
+from maskc.testing import (assert_block_map_exact, assert_block_map_sound, attention_reference, dense_mask,
+                           dense_tiles)
+from maskc.testing.strategies import mask_cases
+
+
+def _check(assertion, case):
+    assertion(case.mask_mod, case.q_len, case.kv_len, case.block_size, B=case.B, H=case.H)
+
+
+# -- properties -----------------------------------------------------------------------------
+@given(mask_cases())
+def test_sound_for_any_mask(case):
+    _check(assert_block_map_sound, case)
+
+
+@given(mask_cases(standard_only=True))
+def test_exact_for_standard_masks_and_compositions(case):
+    _check(assert_block_map_exact, case)
+
+
+@given(mask_cases(max_len=96))
+def test_transposed_is_the_transpose(case):
+    bm = maskc.block_map(case.mask_mod, case.q_len, case.kv_len, block_size=case.block_size, B=case.B, H=case.H)
+    t = bm.transposed
+    assert torch.equal(t.to_dense(), bm.to_dense().transpose(-1, -2))
+    assert (t.q_len, t.kv_len, t.block_size) == (case.kv_len, case.q_len, case.block_size[::-1])
+    assert (t.num_full, t.num_partial, t.num_empty) == (bm.num_full, bm.num_partial, bm.num_empty)
+
+
+# -- counts and forms -----------------------------------------------------------------------
+def test_causal_counts():
+    bm = maskc.block_map(masks.causal, q_len=1024, kv_len=1024, block_size=(128, 128))
+    assert (bm.num_full, bm.num_partial, bm.num_empty) == (28, 8, 28)
+    assert bm.sparsity == pytest.approx(28 / 64)
+    assert bm.shape == (1, 1, 8, 8)
+
+
+def test_to_dense_shape_dtype_and_values():
+    bm = maskc.block_map(masks.causal, q_len=300, kv_len=200, block_size=(64, 32))
+    dense = bm.to_dense()
+    assert dense.dtype == torch.int8
+    assert dense.shape == (1, 1, 5, 7)
+    assert torch.equal(dense, dense_tiles(dense_mask(masks.causal, 300, 200), (64, 32)))
+    assert set(dense.unique().tolist()) == {EMPTY, PARTIAL, FULL}
+
+
+def test_picture():
+    bm = maskc.block_map(masks.sliding_window(400), q_len=1024, kv_len=1024, block_size=(128, 128))
+    text = str(bm)
+    assert "sliding_window_400" in text
+    assert {"█", "░", "·"} <= set(text)
+    assert len(text.splitlines()) == 1 + 8
+    assert repr(bm) == text.splitlines()[0]
+
+
+def test_picture_of_many_tiles_is_downsampled():
+    bm = maskc.block_map(masks.causal, q_len=1 << 16, kv_len=1 << 16, block_size=(128, 128))
+    lines = str(bm).splitlines()
+    assert "each character covers" in lines[1]
+    assert max(len(line) for line in lines[2:]) <= 64
+
+
+@pytest.mark.parametrize("letter, mask", [
+    ("B", maskc.mask_mod(lambda b, h, q_idx, kv_idx: (b == 0) | (q_idx >= kv_idx))),
+    ("H", maskc.mask_mod(lambda b, h, q_idx, kv_idx: (h == 0) | (q_idx >= kv_idx))),
+])
+def test_batch_or_head_dependent_masks_need_their_size(letter, mask):
+    with pytest.raises(ValueError, match=f"pass {letter}="):
+        maskc.block_map(mask, 128, 128, block_size=(64, 64))
+    bm = maskc.block_map(mask, 128, 128, block_size=(64, 64), B=2, H=3)
+    assert bm.shape == ((2, 1, 2, 2) if letter == "B" else (1, 3, 2, 2))
+
+
+def test_mask_ignoring_b_and_h_is_stored_once():
+    bm = maskc.block_map(masks.causal, 256, 256, block_size=(64, 64), B=4, H=8)
+    assert bm.shape == (1, 1, 4, 4)
+    assert bm.kernel_rows(4, 8) == (0, 0)
+
+
+def test_kernel_rows_rejects_other_sizes():
+    windows = torch.tensor([3, 70])
+
+    def head_windows(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= windows[h])
+
+    bm = maskc.block_map(head_windows, 256, 256, block_size=(64, 64), H=2)
+    assert bm.kernel_rows(5, 2) == (0, 4)
+    with pytest.raises(ValueError, match="built for H=2 but the inputs have H=3"):
+        bm.kernel_rows(1, 3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"q_len": 0, "kv_len": 8}, "q_len must be a positive int"),
+    ({"q_len": 8, "kv_len": 8.0}, "kv_len must be a positive int"),
+    ({"q_len": 8, "kv_len": 8, "block_size": (0, 16)}, "block_size must be"),
+    ({"q_len": 8, "kv_len": 8, "block_size": (16, 16, 16)}, "block_size must be"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        maskc.block_map(masks.causal, **kwargs)
+
+
+def test_int_block_size_is_square():
+    assert maskc.block_map(masks.causal, 100, 100, block_size=32).block_size == (32, 32)
+
+
+# -- FlexAttention's BlockMask ---------------------------------------------------------------
+@pytest.mark.parametrize("mask, q_len, kv_len, block_size", [
+    (masks.causal, 256, 192, (64, 32)),
+    (masks.prefix_lm(50), 200, 150, (64, 32)),
+    (masks.sliding_window(40), 256, 256, (32, 64)),
+])
+def test_to_flex_block_mask(mask, q_len, kv_len, block_size):
+    ours = maskc.block_map(mask, q_len, kv_len, block_size=block_size)
+    dense = ours.to_dense()
+    flex = ours.to_flex_block_mask()
+    assert flex.BLOCK_SIZE == block_size
+    assert flex.seq_lengths == (q_len, kv_len)
+    assert torch.equal(flex.to_dense(), (dense != EMPTY).to(flex.to_dense().dtype))
+    assert torch.equal(flex.kv_num_blocks, (dense == PARTIAL).sum(-1).int())
+    assert torch.equal(flex.full_kv_num_blocks, (dense == FULL).sum(-1).int())
+    for row in range(ours.n_q):
+        n, nf = int(flex.kv_num_blocks[0, 0, row]), int(flex.full_kv_num_blocks[0, 0, row])
+        assert flex.kv_indices[0, 0, row, :n].tolist() == (dense[0, 0, row] == PARTIAL).nonzero().view(-1).tolist()
+        assert flex.full_kv_indices[0, 0, row, :nf].tolist() == (dense[0, 0, row] == FULL).nonzero().view(-1).tolist()
+
+    # torch's own builder: the same tiles, except that it counts ragged edge tiles as partial
+    theirs = create_block_mask(mask.fn, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=block_size)
+    assert torch.equal(theirs.to_dense(), flex.to_dense())
+    ragged = q_len % block_size[0] or kv_len % block_size[1]
+    full_ours = dense[0, 0] == FULL
+    full_theirs = torch.zeros_like(full_ours)
+    for row in range(ours.n_q):
+        nf = int(theirs.full_kv_num_blocks[0, 0, row])
+        full_theirs[row, theirs.full_kv_indices[0, 0, row, :nf].long()] = True
+    if ragged:
+        assert not bool((full_theirs & ~full_ours).any())
+    else:
+        assert torch.equal(full_theirs, full_ours)
+
+
+def test_flex_block_mask_broadcast_and_runs_in_flex_attention():
+    mask = masks.and_masks(masks.causal, masks.not_mask(masks.chunked_causal(48)))
+    bm = maskc.block_map(mask, 160, 160, block_size=(32, 32))
+    flex = bm.to_flex_block_mask(B=2, H=3)
+    assert flex.kv_num_blocks.shape == (2, 3, 5)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 160, 16, generator=gen) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex_attention warns that it is unfused: expected here
+        out = flex_attention(q, k, v, block_mask=flex)
+    ref, _ = attention_reference(q, k, v, mask_mod=mask)
+    # rows with nothing kept: flex gives 0, like our reference
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+# -- particular masks -----------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [False, True])
+def test_unsorted_document_ids(causal):
+    ids = torch.tensor([0, 0, 1, 1, 1, 0, 2, 2, 1, 1, 1, 1, 0] * 20, dtype=torch.int32)
+    mask = masks.document(ids, causal=causal)
+    for block_size in [(16, 16), (32, 48), (64, 16)]:
+        assert_block_map_exact(mask, len(ids), len(ids) - 7, block_size)
+
+
+@pytest.mark.parametrize("block_size", [(16, 32), (48, 16), (5, 3)])
+def test_out_of_range_table_index_reads_zero(block_size):
+    table = torch.tensor([1, 0, 1, 1])  # distance q - kv in [-1, 2] only; elsewhere the kernel reads 0
+
+    def short_table(b, h, q_idx, kv_idx):
+        return table[q_idx - kv_idx + 1] != 0
+
+    mm = maskc.mask_mod(short_table)
+    q_len, kv_len = 100, 90
+    # dense_mask runs the Python function, where torch would raise or wrap around; evaluate the
+    # traced expression instead, with the kernel's reading of 0 out of range.
+    qi, ki = torch.arange(q_len).view(-1, 1), torch.arange(kv_len).view(1, -1)
+    keep = evaluate(mm.expr, symbols_env(torch.tensor(0), torch.tensor(0), qi, ki), mm.traced.tensors, {})
+    index = qi - ki + 1
+    expected = (index >= 0) & (index < 4) & (table[index.clamp(0, 3)] != 0)
+    assert torch.equal(keep, expected)
+    want = dense_tiles(expected.view(1, 1, q_len, kv_len), block_size)
+    got = maskc.block_map(mm, q_len, kv_len, block_size=block_size).to_dense()
+    assert not bool(((got == FULL) & (want != FULL)).any()), "unsound: FULL tile that drops pairs"
+    assert not bool(((got == EMPTY) & (want != EMPTY)).any()), "unsound: EMPTY tile that keeps pairs"
+    assert torch.equal(got, want)
+
+
+def test_undecidable_operations_are_settled_densely():
+    def products(b, h, q_idx, kv_idx):
+        return (q_idx * kv_idx) % 7 == 0
+
+    for q_len, kv_len, block_size in [(100, 130, (16, 16)), (77, 77, (48, 32)), (7, 200, (64, 128))]:
+        assert_block_map_exact(products, q_len, kv_len, block_size)
+
+
+def test_constant_masks():
+    everything = maskc.mask_mod(lambda b, h, q_idx, kv_idx: q_idx >= 0)
+    nothing = masks.not_mask(everything)
+    full = maskc.block_map(everything, 100, 70, block_size=(32, 32))
+    empty = maskc.block_map(nothing, 100, 70, block_size=(32, 32))
+    assert (full.num_full, full.num_partial) == (4 * 3, 0)
+    assert (empty.num_full, empty.num_partial, empty.sparsity) == (0, 0, 1.0)
+
+
+# -- cost ---------------------------------------------------------------------------------
+def test_million_token_causal():
+    n = (1 << 20) // 128
+    bm = maskc.block_map(masks.causal, 1 << 20, 1 << 20, block_size=(128, 128))
+    assert (bm.num_full, bm.num_partial) == (n * (n - 1) // 2, n)
+    assert len(bm.full_runs) <= n and len(bm.partial_runs) == n  # one run of each per row
+
+
+def test_million_token_sliding_window():
+    n, k = (1 << 20) // 128, 1024 // 128  # tiles per side, window in tiles
+    bm = maskc.block_map(masks.sliding_window(1024), 1 << 20, 1 << 20, block_size=(128, 128))
+    # rows past the start: the diagonal and the window's far edge are partial, k - 1 tiles between are full
+    assert bm.num_partial == 2 * n - k
+    assert bm.num_full == k * (k - 1) // 2 + (k - 1) * (n - k)
