@@ -198,12 +198,22 @@ def test_out_of_range_table_index_reads_zero(block_size):
     assert torch.equal(got, want)
 
 
-def test_undecidable_operations_are_settled_densely():
-    def products(b, h, q_idx, kv_idx):
-        return (q_idx * kv_idx) % 7 == 0
+@pytest.mark.parametrize("fn", [
+    lambda b, h, q_idx, kv_idx: (q_idx * kv_idx) % 7 == 0,
+    lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) ** 2 <= 30,
+    lambda b, h, q_idx, kv_idx: kv_idx % (q_idx + 1) == 0,
+], ids=["product_mod", "square", "variable_modulus"])
+@pytest.mark.parametrize("q_len, kv_len, block_size", [(100, 130, (16, 16)), (77, 77, (48, 32)), (60, 50, (5, 3))])
+def test_undecidable_operations_are_settled_densely(fn, q_len, kv_len, block_size):
+    assert_block_map_exact(fn, q_len, kv_len, block_size)
 
-    for q_len, kv_len, block_size in [(100, 130, (16, 16)), (77, 77, (48, 32)), (7, 200, (64, 128))]:
-        assert_block_map_exact(products, q_len, kv_len, block_size)
+
+def test_settling_decides_tiles():
+    # no interval rule covers these, yet the map has FULL and EMPTY tiles: settling found them
+    for fn in (lambda b, h, q_idx, kv_idx: (q_idx * kv_idx) % 7 == 0,
+               lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) ** 2 <= 30):
+        bm = maskc.block_map(fn, 60, 50, block_size=(5, 3))
+        assert bm.num_empty > 0 and bm.num_full + bm.num_partial > 0
 
 
 def test_constant_masks():

@@ -251,6 +251,20 @@ def test_flags_stay_constants():
     assert plain.traced.params == () == causal.traced.params
 
 
+def test_captured_bools_choose_structure():
+    def make(flag):
+        def flagged(b, h, q_idx, kv_idx):
+            if flag:  # a Python bool, not a traced value: allowed
+                return q_idx >= kv_idx
+            return q_idx <= kv_idx
+
+        return maskc.mask_mod(flagged)
+
+    assert make(True).signature == masks.causal.signature
+    assert make(False).signature != masks.causal.signature
+    assert make(True).traced.params == ()
+
+
 def test_composition_retraces_inner_parameters():
     a = masks.and_masks(masks.sliding_window(5), masks.prefix_lm(3))
     b = masks.and_masks(masks.sliding_window(9), masks.prefix_lm(1))

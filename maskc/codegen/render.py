@@ -6,13 +6,16 @@ import hashlib
 from importlib import resources
 
 import jinja2
+import sympy
 
 from maskc._version import __version__
 from maskc.codegen.printer import TritonPrinter, tensor_args
 from maskc.codegen.spec import KernelSpec
+from maskc.trace.symbols import SCORE
 
-KERNEL_NAME = "attention_fwd"
-FWD_TEMPLATE = "attention_fwd.py.jinja"
+TEMPLATES = {"fwd": "attention_fwd.py.jinja", "bwd": "attention_bwd.py.jinja"}
+# The @triton.jit functions each kind of file defines.
+KERNEL_NAMES = {"fwd": ("attention_fwd",), "bwd": ("attention_bwd_dq", "attention_bwd_dkdv")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -24,26 +27,34 @@ def _environment() -> jinja2.Environment:
 
 
 @functools.lru_cache(maxsize=None)
-def template_hash(name: str = FWD_TEMPLATE) -> str:
-    text = resources.files("maskc._templates").joinpath(name).read_text()
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def template_hash() -> str:
+    """Hash of every template (included fragments too): any edit gives new cache entries."""
+    digest = hashlib.sha256()
+    for entry in sorted(resources.files("maskc._templates").iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".jinja"):
+            digest.update(entry.name.encode() + b"\0" + entry.read_bytes())
+    return digest.hexdigest()[:16]
 
 
-def render_forward(spec: KernelSpec) -> str:
-    """The Triton source of the forward kernel described by `spec`."""
+def render(spec: KernelSpec) -> str:
+    """The Triton source of the kernel file described by `spec`."""
     printer = TritonPrinter()
     extra = []
     for slot, rank in enumerate(spec.tensor_ranks):
         extra += tensor_args(slot, rank)
     extra += [f"p{i}" for i in range(len(spec.param_kinds))]
-    mask_expr = printer.doprint(spec.mask_expr) if spec.mask_expr is not None else None
-    score_expr = printer.doprint(spec.score_expr) if spec.score_expr is not None else None
-    return _environment().get_template(FWD_TEMPLATE).render(
-        kernel_name=KERNEL_NAME,
+    score_grad = None
+    if spec.score_expr is not None:
+        derivative = sympy.diff(spec.score_expr, SCORE)
+        score_grad = None if derivative == 1 else printer.doprint(derivative)
+    return _environment().get_template(TEMPLATES[spec.kind]).render(
+        kernel_name=KERNEL_NAMES[spec.kind][0],
+        template_name=TEMPLATES[spec.kind],
         maskc_version=__version__,
         mask_text=str(spec.mask_expr) if spec.mask_expr is not None else "none (every pair kept)",
         score_text=str(spec.score_expr) if spec.score_expr is not None else "none (plain scores)",
-        mask_expr=mask_expr or "True",
-        score_expr=score_expr,
+        mask_expr=printer.doprint(spec.mask_expr) if spec.mask_expr is not None else "True",
+        score_expr=printer.doprint(spec.score_expr) if spec.score_expr is not None else None,
+        score_grad_expr=score_grad,
         extra_args=extra,
     )

@@ -14,8 +14,9 @@ from maskc.trace.tracer import Traced
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """A forward kernel's identity. Expressions are canonical; captured values are not in it."""
+    """A kernel's identity. Expressions are canonical; captured values are not in it."""
 
+    kind: str  # "fwd" or "bwd"
     mask_signature: str  # "" when there is no mask
     score_signature: str  # "" when there is no score_mod
     tensor_ranks: tuple[int, ...]  # captured tensors, the mask's first
@@ -41,7 +42,7 @@ class KernelSpec:
 
     @property
     def file_stem(self) -> str:
-        return f"fwd_{self.dtype}_d{self.head_dim}_bm{self.block_m}_bn{self.block_n}"
+        return f"{self.kind}_{self.dtype}_d{self.head_dim}_bm{self.block_m}_bn{self.block_n}"
 
 
 def merge(mask: Traced | None, score: Traced | None):

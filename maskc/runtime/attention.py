@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
 from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.build import block_map as build_block_map
-from maskc.runtime.configs import padded
-from maskc.runtime.kernel import _DTYPES, _kernel
 from maskc.codegen.spec import merge
+from maskc.runtime.configs import padded
+from maskc.runtime.kernel import _DTYPES, CompiledKernel, kernel_for
 from maskc.trace.mods import as_mask_mod, as_score_mod
 
 _LOG2E = 1.4426950408889634
@@ -18,74 +19,106 @@ _BLOCK_MAPS: OrderedDict = OrderedDict()
 _BLOCK_MAP_SLOTS = 64
 
 
+@dataclass
+class Problem:
+    """One attention call after validation: what the kernels need besides q, k, v."""
+
+    mask: object  # Traced or None
+    score: object  # Traced or None
+    scale: float
+    gqa: bool
+    block_map: BlockMap
+    kernel: CompiledKernel
+    extra: list  # captured tensors (pointer, strides, sizes) and parameter values, in kernel order
+
+    @property
+    def interpret(self) -> bool:
+        return self.block_map.device.type != "cuda"
+
+
 def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enable_gqa=False, return_lse=False,
                        block_map: BlockMap | None = None):
-    """Attention with a specialised, tile-skipping kernel.
+    """Attention with a specialised, tile-skipping kernel; differentiable in q, k and v.
 
     q [B, Hq, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv] (FlexAttention's shapes).
     Returns out [B, Hq, Lq, Dv], or (out, lse) with lse float32 [B, Hq, Lq] in natural log.
     Rows with no kept key give out = 0 and lse = -inf. CPU tensors run the same generated
-    kernel through Triton's interpreter.
+    kernel through Triton's interpreter. A captured tensor indexed out of its range reads 0.
 
     >>> out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.sliding_window(1024))
     """
     _check_tensors(q, k, v, enable_gqa)
-    if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
-        raise NotImplementedError("maskc.compiled_attention has no backward pass yet; call it under "
-                                  "torch.no_grad() or pass detached tensors")
     mask, score = as_mask_mod(mask_mod), as_score_mod(score_mod)
     B, Hq, Lq, D = q.shape
-    Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[3]
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    Lkv, Dv = k.shape[2], v.shape[3]
     if Lq == 0 or Lkv == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
+        out = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
+        lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
+    problem = _problem(q, k, v, mask, score, scale, block_map)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        from maskc.runtime.backward import AttentionFunction
 
+        out, lse = AttentionFunction.apply(q, k, v, problem)
+    else:
+        out, lse = forward(q, k, v, problem)
+    return (out, lse) if return_lse else out
+
+
+def _problem(q, k, v, mask, score, scale, block_map) -> Problem:
+    B, Hq, Lq, D = q.shape
+    Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     traced = [m.traced for m in (mask, score) if m is not None]
     for t in traced:
         for i, tensor in enumerate(t.tensors):
             if tensor.device != q.device:
                 raise ValueError(f"{t.kind} '{t.name}' captured tensor #{i} lives on {tensor.device} but q is on "
                                  f"{q.device}; move the captured tensor to {q.device}")
-    tiles = None
-    if block_map is not None:
-        tiles = _check_block_map(block_map, Lq, Lkv, B, Hq)
-    kernel = _kernel(mask.traced if mask else None, score.traced if score else None, q.dtype, D, Dv,
-                     Hq != Hkv, tiles, q.device)
+            if tensor.requires_grad and torch.is_grad_enabled():
+                raise NotImplementedError(f"{t.kind} '{t.name}' captured tensor #{i} requires grad, but maskc does "
+                                          f"not compute gradients of captured tensors yet; detach it, or keep the "
+                                          f"learnable bias outside maskc")
+    tiles = _check_block_map(block_map, Lq, Lkv, B, Hq) if block_map is not None else None
+    m, s = (mask.traced if mask else None), (score.traced if score else None)
+    kernel = kernel_for("fwd", m, s, q.dtype, D, Dv, Hq != Hkv, tiles, q.device)
     spec = kernel.spec
     if block_map is None:
         block_map = _cached_block_map(mask, Lq, Lkv, (spec.block_m, spec.block_n), B, Hq, q.device)
-    row_b, row_h = block_map.kernel_rows(B, Hq)
-
-    _, _, tensors, params = merge(mask.traced if mask else None, score.traced if score else None)
+    _, _, tensors, params = merge(m, s)
     extra = []
     for t in tensors:
         extra += [t, *t.stride(), *t.shape]
     extra += [p.value for p in params]
-    interpret = q.device.type != "cuda"
-    fn = kernel.function(interpret)
-    grid = (triton_cdiv(Lq, spec.block_m), B * Hq)
-    fn[grid](
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    return Problem(m, s, scale, Hq != Hkv, block_map, kernel, extra)
+
+
+def forward(q, k, v, problem: Problem):
+    """(out, lse) from the forward kernel."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    spec, bm = problem.kernel.spec, problem.block_map
+    out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    row_b, row_h = bm.kernel_rows(B, Hq)
+    even_kv = Lkv % spec.block_n == 0
+    fn = problem.kernel.function(problem.interpret)
+    fn[(-(-Lq // spec.block_m), B * Hq)](
         q, k, v, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        Hq, Hq // Hkv, Lq, Lkv, scale if score is not None else scale * _LOG2E,
-        block_map.full_offsets, block_map.full_runs, block_map.partial_offsets, block_map.partial_runs,
-        row_b, row_h, *extra,
+        Hq, Hq // Hkv, Lq, Lkv, problem.scale if problem.score is not None else problem.scale * _LOG2E,
+        bm.full_offsets, bm.full_runs, bm.partial_offsets, bm.partial_runs, row_b, row_h, *problem.extra,
         HEAD_DIM=D, HEAD_DIM_V=Dv, D_PAD=padded(D), DV_PAD=padded(Dv),
-        BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, EVEN_KV=Lkv % spec.block_n == 0,
-        K_UNMASKED=Lkv % spec.block_n == 0 and D == padded(D),
-        V_UNMASKED=Lkv % spec.block_n == 0 and Dv == padded(Dv),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=spec.num_warps, num_stages=spec.num_stages,
+        BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, EVEN_KV=even_kv,
+        K_UNMASKED=even_kv and D == padded(D), V_UNMASKED=even_kv and Dv == padded(Dv),
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=spec.num_warps, num_stages=spec.num_stages,
     )
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def dot_precision(dtype) -> str:
+    # float32 inputs get exact products; tf32 would cost about 1e-3 relative error
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _check_tensors(q, k, v, enable_gqa):
@@ -101,6 +134,8 @@ def _check_tensors(q, k, v, enable_gqa):
         raise TypeError(f"q, k and v must be float16, bfloat16 or float32, got {q.dtype}; cast them")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}; move them")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"maskc runs on CUDA (compiled) or CPU (interpreted), got tensors on {q.device}")
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}; they must match")
     if k.shape[1] != v.shape[1]:
@@ -130,7 +165,7 @@ def _check_block_map(bm: BlockMap, Lq, Lkv, B, Hq):
     for size in bm.block_size:
         if size < 16 or size > 256 or size & (size - 1):
             raise ValueError(f"block_map tile sizes must be powers of two from 16 to 256, got {bm.block_size}; "
-                             f"build it with block_size=(128, 64) or leave block_map out")
+                             f"build it with block_size=(64, 64) or leave block_map out")
     bm.kernel_rows(B, Hq)
     return bm.block_size
 
@@ -154,5 +189,3 @@ def _cached_block_map(mask, Lq, Lkv, block_size, B, Hq, device) -> BlockMap:
 
 def _keep_all(b, h, q_idx, kv_idx):
     return q_idx >= 0
-
-

@@ -8,7 +8,7 @@ import torch
 import triton
 
 from maskc._version import __version__
-from maskc.codegen.render import render_forward, template_hash
+from maskc.codegen.render import KERNEL_NAMES, render, template_hash
 from maskc.codegen.spec import KernelSpec, dtype_name, merge
 from maskc.runtime import loader
 from maskc.runtime.cache import KERNELS
@@ -21,7 +21,7 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 @dataclass
 class CompiledKernel:
-    """A generated forward kernel. `source` is exactly the text that runs, read from `path`."""
+    """A generated kernel file. `source` is exactly the text that runs, read from `path`."""
 
     spec: KernelSpec
     signature: str
@@ -29,12 +29,14 @@ class CompiledKernel:
     path: Path
     _functions: dict = field(default_factory=dict, repr=False)
 
-    def function(self, interpret: bool):
-        """The @triton.jit function: interpreted for CPU tensors, compiled for CUDA."""
-        fn = self._functions.get(interpret)
-        if fn is None:
-            fn = self._functions[interpret] = getattr(loader.load(self.path, interpret=interpret), "attention_fwd")
-        return fn
+    def function(self, interpret: bool, name: str | None = None):
+        """A @triton.jit function of the file (the first by default): interpreted for CPU
+        tensors, compiled for CUDA."""
+        name = name or KERNEL_NAMES[self.spec.kind][0]
+        module = self._functions.get(interpret)
+        if module is None:
+            module = self._functions[interpret] = loader.load(self.path, interpret=interpret)
+        return getattr(module, name)
 
 
 def arch_of(device: torch.device) -> str:
@@ -54,11 +56,12 @@ def compile(mask_mod=None, score_mod=None, *, dtype=torch.bfloat16, head_dim: in
     """
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     mask, score = as_mask_mod(mask_mod), as_score_mod(score_mod)
-    return _kernel(mask.traced if mask else None, score.traced if score else None, dtype, head_dim,
-                   head_dim_v or head_dim, enable_gqa, block_size, device)
+    return kernel_for("fwd", mask.traced if mask else None, score.traced if score else None, dtype, head_dim,
+                      head_dim_v or head_dim, enable_gqa, block_size, device)
 
 
-def _kernel(mask, score, dtype, head_dim, head_dim_v, gqa, block_size, device) -> CompiledKernel:
+def kernel_for(kind, mask, score, dtype, head_dim, head_dim_v, gqa, block_size, device) -> CompiledKernel:
+    """The `kind` ("fwd" or "bwd") kernel for traced mask and score, from memory, disk or rendering."""
     if dtype not in _DTYPES:
         raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}; cast q, k and v")
     for name, d in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
@@ -69,20 +72,20 @@ def _kernel(mask, score, dtype, head_dim, head_dim_v, gqa, block_size, device) -
     if block_size is not None:
         config = config._replace(block_m=block_size[0], block_n=block_size[1])
     arch = arch_of(device)
-    key = (mask.signature if mask else "", score.signature if score else "", dtype, head_dim, head_dim_v, gqa,
+    key = (kind, mask.signature if mask else "", score.signature if score else "", dtype, head_dim, head_dim_v, gqa,
            config, arch)
     kernel = KERNELS.get(key)
     if kernel is not None:
         return kernel
     mask_expr, score_expr, tensors, params = merge(mask, score)
     spec = KernelSpec(
-        mask_signature=key[0], score_signature=key[1], tensor_ranks=tuple(t.dim() for t in tensors),
+        kind=kind, mask_signature=key[1], score_signature=key[2], tensor_ranks=tuple(t.dim() for t in tensors),
         param_kinds=tuple("i" if isinstance(p.value, int) else "f" for p in params), dtype=dtype_name(dtype),
         head_dim=head_dim, head_dim_v=head_dim_v, gqa=gqa, block_m=config.block_m, block_n=config.block_n,
         num_warps=config.num_warps, num_stages=config.num_stages, mask_expr=mask_expr, score_expr=score_expr)
     digest = spec.digest(template_hash=template_hash(), versions=f"maskc {__version__} triton {triton.__version__}",
                          arch=arch)
-    source, path = KERNELS.source(f"{spec.file_stem}_{digest}", lambda: render_forward(spec))
+    source, path = KERNELS.source(f"{spec.file_stem}_{digest}", lambda: render(spec))
     kernel = CompiledKernel(spec, digest, source, path)
     KERNELS.put(key, kernel)
     return kernel
