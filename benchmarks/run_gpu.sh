@@ -1,6 +1,6 @@
 #!/bin/bash
 # Install maskc on the GPU machine (no network there: no deps, no build isolation) and run
-# the benchmark given as arguments, e.g.  bash benchmarks/run_gpu.sh benchmarks/bench_forward.py --dim 64
+# the benchmark given as arguments, e.g.  bash benchmarks/run_gpu.sh benchmarks/bench_attention.py --dim 64
 set -e
 rm -rf /tmp/maskc_site
 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/maskc_site . >/dev/null

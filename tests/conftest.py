@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent))
 
 # Drawing a mask traces it with sympy, which hypothesis's health check can take for a slow strategy.
-settings.register_profile("maskc", max_examples=40, deadline=None, print_blob=True,
+settings.register_profile("maskc", max_examples=50, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", parent=settings.get_profile("maskc"), max_examples=2000)
 settings.load_profile("maskc")

@@ -15,7 +15,7 @@ from maskc.trace.symbols import SCORE
 
 TEMPLATES = {"fwd": "attention_fwd.py.jinja", "bwd": "attention_bwd.py.jinja"}
 # The @triton.jit functions each kind of file defines.
-KERNEL_NAMES = {"fwd": ("attention_fwd",), "bwd": ("attention_bwd_dq", "attention_bwd_dkdv")}
+KERNEL_NAMES = {"fwd": ("attention_fwd",), "bwd": ("attention_bwd_dq", "attention_bwd_dkdv", "attention_bwd_delta")}
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,12 +10,13 @@ import torch
 from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.build import block_map as build_block_map
 from maskc.codegen.spec import merge
-from maskc.runtime.configs import padded
+from maskc.runtime.configs import override_key, padded
 from maskc.runtime.kernel import _DTYPES, CompiledKernel, kernel_for
 from maskc.trace.mods import as_mask_mod, as_score_mod
 
 _LOG2E = 1.4426950408889634
 _BLOCK_MAPS: OrderedDict = OrderedDict()
+_PLANS: dict = {}
 _BLOCK_MAP_SLOTS = 64
 
 
@@ -23,13 +24,22 @@ _BLOCK_MAP_SLOTS = 64
 class Problem:
     """One attention call after validation: what the kernels need besides q, k, v."""
 
-    mask: object  # Traced or None
-    score: object  # Traced or None
+    mask_mod: object  # MaskMod or None
+    score_mod: object  # ScoreMod or None
     scale: float
     gqa: bool
     block_map: BlockMap
+    given_block_map: bool  # the caller passed block_map=: the backward keeps its tiles
     kernel: CompiledKernel
     extra: list  # captured tensors (pointer, strides, sizes) and parameter values, in kernel order
+
+    @property
+    def mask(self):
+        return self.mask_mod.traced if self.mask_mod is not None else None
+
+    @property
+    def score(self):
+        return self.score_mod.traced if self.score_mod is not None else None
 
     @property
     def interpret(self) -> bool:
@@ -55,7 +65,11 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
         out = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
-    problem = _problem(q, k, v, mask, score, scale, block_map)
+    _check_captured(mask, score, q.device)
+    if block_map is not None:
+        problem = _problem(q, k, v, mask, score, scale, block_map)
+    else:
+        problem = _planned(q, k, v, mask, score, scale)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         from maskc.runtime.backward import AttentionFunction
 
@@ -65,32 +79,49 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
     return (out, lse) if return_lse else out
 
 
-def _problem(q, k, v, mask, score, scale, block_map) -> Problem:
-    B, Hq, Lq, D = q.shape
-    Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[3]
-    traced = [m.traced for m in (mask, score) if m is not None]
-    for t in traced:
+def _check_captured(mask, score, device):
+    for t in (m.traced for m in (mask, score) if m is not None):
         for i, tensor in enumerate(t.tensors):
-            if tensor.device != q.device:
+            if tensor.device != device:
                 raise ValueError(f"{t.kind} '{t.name}' captured tensor #{i} lives on {tensor.device} but q is on "
-                                 f"{q.device}; move the captured tensor to {q.device}")
+                                 f"{device}; move the captured tensor to {device}")
             if tensor.requires_grad and torch.is_grad_enabled():
                 raise NotImplementedError(f"{t.kind} '{t.name}' captured tensor #{i} requires grad, but maskc does "
                                           f"not compute gradients of captured tensors yet; detach it, or keep the "
                                           f"learnable bias outside maskc")
+
+
+def _planned(q, k, v, mask, score, scale) -> Problem:
+    """The Problem of a call, remembered by everything it depends on, so that a repeated
+    call does no tracing, hashing of expressions or block-map work."""
+    tensors = [t for m in (mask, score) if m is not None for t in m.traced.tensors]
+    key = (id(mask), id(score), q.dtype, q.device, q.shape, k.shape, v.shape[3], scale,
+           tuple(t._version for t in tensors), override_key())
+    problem = _PLANS.get(key)
+    if problem is None or problem.mask_mod is not mask or problem.score_mod is not score:
+        problem = _PLANS[key] = _problem(q, k, v, mask, score, scale, None)
+        if len(_PLANS) > _BLOCK_MAP_SLOTS:
+            _PLANS.pop(next(iter(_PLANS)))
+    return problem
+
+
+def _problem(q, k, v, mask, score, scale, block_map) -> Problem:
+    B, Hq, Lq, D = q.shape
+    Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    given = block_map is not None
     tiles = _check_block_map(block_map, Lq, Lkv, B, Hq) if block_map is not None else None
     m, s = (mask.traced if mask else None), (score.traced if score else None)
     kernel = kernel_for("fwd", m, s, q.dtype, D, Dv, Hq != Hkv, tiles, q.device)
     spec = kernel.spec
     if block_map is None:
-        block_map = _cached_block_map(mask, Lq, Lkv, (spec.block_m, spec.block_n), B, Hq, q.device)
+        block_map = cached_block_map(mask, Lq, Lkv, (spec.block_m, spec.block_n), B, Hq, q.device)
     _, _, tensors, params = merge(m, s)
     extra = []
     for t in tensors:
         extra += [t, *t.stride(), *t.shape]
     extra += [p.value for p in params]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    return Problem(m, s, scale, Hq != Hkv, block_map, kernel, extra)
+    return Problem(mask, score, scale, Hq != Hkv, block_map, given, kernel, extra)
 
 
 def forward(q, k, v, problem: Problem):
@@ -170,7 +201,7 @@ def _check_block_map(bm: BlockMap, Lq, Lkv, B, Hq):
     return bm.block_size
 
 
-def _cached_block_map(mask, Lq, Lkv, block_size, B, Hq, device) -> BlockMap:
+def cached_block_map(mask, Lq, Lkv, block_size, B, Hq, device) -> BlockMap:
     if mask is None:
         mask = as_mask_mod(_keep_all)
     t = mask.traced

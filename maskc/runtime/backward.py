@@ -1,14 +1,14 @@
-"""The backward pass: autograd Function around the forward and the two backward kernels.
+"""The backward pass: autograd Function around the forward and the backward kernels.
 
-delta = rowsum(dO * O) is one torch reduction; dQ runs over the forward block map, dK/dV
+A preprocess kernel computes Delta = rowsum(dO * O); dQ runs over the block map, dK/dV
 over its transpose, summed over the query heads of a GQA group inside the kernel.
 """
 from __future__ import annotations
 
 import torch
 
-from maskc.runtime.attention import Problem, dot_precision, forward
-from maskc.runtime.configs import padded
+from maskc.runtime.attention import Problem, cached_block_map, dot_precision, forward
+from maskc.runtime.configs import BackwardConfig, TileConfig, backward_config, padded
 from maskc.runtime.kernel import kernel_for
 
 
@@ -31,30 +31,52 @@ class AttentionFunction(torch.autograd.Function):
 def backward(q, k, v, out, lse, d_out, problem: Problem):
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[3]
-    fwd_spec, bm = problem.kernel.spec, problem.block_map
+    device = problem.block_map.device
+    config = backward_config(D, device.type)
+    if problem.given_block_map:
+        tiles = problem.kernel.spec
+        same = TileConfig(tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages)
+        config = BackwardConfig(same, same)
     kernel = kernel_for("bwd", problem.mask, problem.score, q.dtype, D, Dv, problem.gqa,
-                        (fwd_spec.block_m, fwd_spec.block_n), bm.device)
-    spec = kernel.spec
+                        (config.dq.block_m, config.dq.block_n), device)
     d_out = d_out.contiguous()
-    delta = (d_out.float() * out.float()).sum(-1)
+    delta = torch.empty_like(lse)
+    kernel.function(problem.interpret, "attention_bwd_delta")[(-(-Lq // config.dq.block_m), B * Hq)](
+        out, d_out, delta, *out.stride(), *d_out.stride(), Hq, Lq, HEAD_DIM_V=Dv, DV_PAD=padded(Dv),
+        BLOCK_M=config.dq.block_m)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    shared = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, D_PAD=padded(D), DV_PAD=padded(Dv), BLOCK_M=spec.block_m,
-                  BLOCK_N=spec.block_n, DOT_PRECISION=dot_precision(q.dtype), num_warps=spec.num_warps,
-                  num_stages=spec.num_stages)
+    shared = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, D_PAD=padded(D), DV_PAD=padded(Dv),
+                  DOT_PRECISION=dot_precision(q.dtype))
     sizes = (Hq, Hq // Hkv, Lq, Lkv, problem.scale)
-    row_b, row_h = bm.kernel_rows(B, Hq)
-    kernel.function(problem.interpret, "attention_bwd_dq")[(-(-Lq // spec.block_m), B * Hq)](
+
+    dq_map = _map(problem, config.dq, Lq, Lkv, B, Hq)
+    row_b, row_h = dq_map.kernel_rows(B, Hq)
+    kernel.function(problem.interpret, "attention_bwd_dq")[(-(-Lq // config.dq.block_m), B * Hq)](
         q, k, v, d_out, dq, lse, delta,
         *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *dq.stride(), *sizes,
-        bm.full_offsets, bm.full_runs, bm.partial_offsets, bm.partial_runs, row_b, row_h, *problem.extra,
-        EVEN=Lkv % spec.block_n == 0, **shared)
-    bt = bm.transposed
-    row_b, row_h = bt.kernel_rows(B, Hq)
-    kernel.function(problem.interpret, "attention_bwd_dkdv")[(-(-Lkv // spec.block_n), B * Hkv)](
+        dq_map.full_offsets, dq_map.full_runs, dq_map.partial_offsets, dq_map.partial_runs, row_b, row_h,
+        *problem.extra, EVEN=Lkv % config.dq.block_n == 0, **shared, **_launch(config.dq))
+
+    kv_map = _map(problem, config.dkdv, Lq, Lkv, B, Hq).transposed
+    row_b, row_h = kv_map.kernel_rows(B, Hq)
+    kernel.function(problem.interpret, "attention_bwd_dkdv")[(-(-Lkv // config.dkdv.block_n), B * Hkv)](
         q, k, v, d_out, dk, dv, lse, delta,
         *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *dk.stride(), *dv.stride(), *sizes,
-        bt.full_offsets, bt.full_runs, bt.partial_offsets, bt.partial_runs, row_b, row_h, *problem.extra,
-        EVEN=Lq % spec.block_m == 0, **shared)
+        kv_map.full_offsets, kv_map.full_runs, kv_map.partial_offsets, kv_map.partial_runs, row_b, row_h,
+        *problem.extra, EVEN=Lq % config.dkdv.block_m == 0, **shared, **_launch(config.dkdv))
     return dq, dk, dv
+
+
+def _launch(tiles: TileConfig) -> dict:
+    return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages)
+
+
+def _map(problem: Problem, tiles: TileConfig, Lq, Lkv, B, Hq):
+    """The block map at the backward's tile sizes (the forward's own when they agree)."""
+    if problem.block_map.block_size == (tiles.block_m, tiles.block_n):
+        return problem.block_map
+    return cached_block_map(problem.mask_mod, Lq, Lkv, (tiles.block_m, tiles.block_n), B, Hq,
+                            problem.block_map.device)

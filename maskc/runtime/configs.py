@@ -12,23 +12,33 @@ class TileConfig(NamedTuple):
     num_stages: int
 
 
-_override: TileConfig | None = None
+class BackwardConfig(NamedTuple):
+    dq: TileConfig  # block_m: q rows of a program, block_n: kv tile it loops over
+    dkdv: TileConfig  # block_n: kv rows of a program, block_m: q tile it loops over
+
+
+_overrides: dict = {}
 
 
 @contextlib.contextmanager
-def use_config(config: TileConfig):
-    """Force one tile config inside the block (benchmarks/tune_forward.py sweeps with it)."""
-    global _override
-    saved, _override = _override, config
+def use_config(forward: TileConfig | None = None, backward: BackwardConfig | None = None):
+    """Force tile configs inside the block (benchmarks/tune_*.py sweep with it)."""
+    saved = dict(_overrides)
+    _overrides.update({k: v for k, v in (("fwd", forward), ("bwd", backward)) if v is not None})
     try:
         yield
     finally:
-        _override = saved
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+def override_key() -> tuple:
+    return tuple(sorted(_overrides.items()))
 
 
 def forward_config(head_dim: int, device_type: str) -> TileConfig:
-    if _override is not None:
-        return _override
+    if "fwd" in _overrides:
+        return _overrides["fwd"]
     if device_type != "cuda":
         # The interpreter runs each tile op in numpy: small tiles keep tests quick and
         # still exercise several tiles per row.
@@ -38,6 +48,18 @@ def forward_config(head_dim: int, device_type: str) -> TileConfig:
         # 8 warps on causal, sliding window and softcap at D=64 and D=128.
         return TileConfig(64, 64, 4, 3)
     return TileConfig(64, 32, 4, 2)
+
+
+def backward_config(head_dim: int, device_type: str) -> BackwardConfig:
+    if "bwd" in _overrides:
+        return _overrides["bwd"]
+    if device_type != "cuda":
+        return BackwardConfig(TileConfig(32, 32, 4, 1), TileConfig(32, 32, 4, 1))
+    if head_dim <= 128:
+        # Swept on an H100 at D=128 (benchmarks/NOTES.md): long kv tiles for dQ and long q
+        # tiles for dK/dV, 8 warps, beat 64×64 with 4 warps by a quarter on no mask and causal.
+        return BackwardConfig(TileConfig(128, 64, 8, 3), TileConfig(64, 128, 8, 3))
+    return BackwardConfig(TileConfig(64, 32, 4, 2), TileConfig(32, 64, 4, 2))
 
 
 def padded(dim: int) -> int:

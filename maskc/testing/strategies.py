@@ -72,8 +72,12 @@ class AttentionInputs:
 
 
 def lengths(max_len: int = 256) -> st.SearchStrategy[tuple[int, int]]:
-    """(q_len, kv_len), often unequal, often not multiples of any tile size."""
-    return st.tuples(st.integers(1, max_len), st.integers(1, max_len))
+    """(q_len, kv_len), often unequal, mostly not multiples of the tile sizes, sometimes exact multiples."""
+    multiples = list(range(16, max_len + 1, 16))
+    one = st.integers(1, max_len)
+    if multiples:
+        one = st.one_of(one, st.sampled_from(multiples))
+    return st.tuples(one, one)
 
 
 def block_sizes() -> st.SearchStrategy[tuple[int, int]]:
@@ -86,7 +90,7 @@ def _generator(seed: int) -> torch.Generator:
 
 
 @st.composite
-def doc_ids(draw, length: int, rows: int | None = None) -> torch.Tensor:
+def doc_ids(draw, length: int, rows: int | None = None, device="cpu") -> torch.Tensor:
     """Document ids of `length` tokens ([rows, length] when rows is given), int32 or int64.
 
     A drawn pattern of segments (length, document) repeats to fill the tensor: sorted ids
@@ -98,7 +102,7 @@ def doc_ids(draw, length: int, rows: int | None = None) -> torch.Tensor:
     def row():
         sizes = draw(st.lists(st.integers(1, max(1, length)), min_size=1, max_size=8))
         if is_sorted:
-            labels = list(range(len(sizes)))
+            labels = sorted(draw(st.lists(st.integers(0, 9), min_size=len(sizes), max_size=len(sizes), unique=True)))
         else:
             labels = draw(st.lists(st.integers(0, 5), min_size=len(sizes), max_size=len(sizes)))
         pattern = torch.repeat_interleave(torch.tensor(labels), torch.tensor(sizes))
@@ -107,12 +111,11 @@ def doc_ids(draw, length: int, rows: int | None = None) -> torch.Tensor:
             return torch.cat([pattern, pattern[-1:].expand(max(0, length - len(pattern)))])[:length]
         return pattern.repeat(-(-length // len(pattern)))[:length]
 
-    if rows is None:
-        return row().to(dtype)
-    return torch.stack([row() for _ in range(rows)]).to(dtype)
+    ids = row() if rows is None else torch.stack([row() for _ in range(rows)])
+    return ids.to(dtype=dtype, device=device)
 
 
-def _standard_leaf(q_len: int, kv_len: int):
+def _standard_leaf(q_len: int, kv_len: int, device):
     """A mask straight from maskc.masks, with arguments that matter at these lengths."""
     n = max(q_len, kv_len)
     sizes = st.integers(0, n + 2)
@@ -122,47 +125,50 @@ def _standard_leaf(q_len: int, kv_len: int):
         sizes.map(_masks.prefix_lm),
         st.integers(1, n + 2).map(_masks.chunked_causal),
         st.builds(_masks.dilated_sliding_window, sizes, st.integers(1, 8)),
-        _documents(q_len, kv_len),
+        _documents(q_len, kv_len, device),
     )
 
 
 @st.composite
-def _documents(draw, q_len: int, kv_len: int) -> MaskMod:
+def _documents(draw, q_len: int, kv_len: int, device) -> MaskMod:
     causal = draw(st.booleans())
     if draw(st.booleans()):
         # one tensor for queries and keys, sometimes longer than needed
-        ids = draw(doc_ids(max(q_len, kv_len) + draw(st.integers(0, 3))))
+        ids = draw(doc_ids(max(q_len, kv_len) + draw(st.integers(0, 3)), device=device))
         return _masks.document(ids, causal=causal)
-    return _masks.document(draw(doc_ids(q_len)), causal=causal, kv_doc_ids=draw(doc_ids(kv_len)))
+    return _masks.document(draw(doc_ids(q_len, device=device)), causal=causal,
+                           kv_doc_ids=draw(doc_ids(kv_len, device=device)))
 
 
 @st.composite
-def _extra_leaf(draw, q_len: int, kv_len: int, B: int, H: int) -> MaskMod:
+def _extra_leaf(draw, q_len: int, kv_len: int, B: int, H: int, device) -> MaskMod:
     """A mask outside maskc.masks: reads b or h through captured tables, or uses operations
     the interval analysis cannot decide (left to dense settling)."""
     n = max(q_len, kv_len)
     kind = draw(st.sampled_from(("head_windows", "parity", "batch_docs", "padding", "where", "undecidable")))
     if kind == "head_windows":
-        windows = torch.tensor(draw(st.lists(st.integers(0, n), min_size=H, max_size=H)))
+        windows = torch.tensor(draw(st.lists(st.integers(0, n), min_size=H, max_size=H)), device=device)
 
         def head_windows(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx <= windows[h])
 
         return MaskMod(head_windows)
     if kind == "parity":
+        stride, modulus = draw(st.integers(1, 3)), draw(st.integers(2, 4))
+
         def parity(b, h, q_idx, kv_idx):
-            return ((b + h) % 2 == 0) | (q_idx >= kv_idx)
+            return ((b + h * stride) % modulus == 0) | (q_idx >= kv_idx)
 
         return MaskMod(parity)
     if kind == "batch_docs":
-        ids = draw(doc_ids(n, rows=B))
+        ids = draw(doc_ids(n, rows=B, device=device))
 
         def batch_docs(b, h, q_idx, kv_idx):
             return ids[b, q_idx] == ids[b, kv_idx]
 
         return MaskMod(batch_docs)
     if kind == "padding":
-        valid = torch.tensor(draw(st.lists(st.integers(0, kv_len), min_size=B, max_size=B)))
+        valid = torch.tensor(draw(st.lists(st.integers(0, kv_len), min_size=B, max_size=B)), device=device)
 
         def padding(b, h, q_idx, kv_idx):
             return kv_idx < valid[b]
@@ -175,29 +181,32 @@ def _extra_leaf(draw, q_len: int, kv_len: int, B: int, H: int) -> MaskMod:
             return torch.where(h == 0, q_idx >= kv_idx, torch.abs(q_idx - kv_idx) <= window)
 
         return MaskMod(per_head_where)
-    modulus = draw(st.integers(2, 9))
+    modulus, offset = draw(st.integers(2, 9)), draw(st.integers(0, 8))
 
     def undecidable(b, h, q_idx, kv_idx):
-        return (q_idx * kv_idx) % modulus == 0
+        return (q_idx * kv_idx + offset) % modulus == 0
 
     return MaskMod(undecidable)
 
 
 @st.composite
 def masks(draw, q_len: int, kv_len: int, *, B: int = 1, H: int = 1, standard_only: bool = False,
-          max_depth: int = 2) -> MaskMod:
-    """A mask usable at (q_len, kv_len) for B batches and H heads.
+          max_depth: int = 2, device="cpu") -> MaskMod:
+    """A mask usable at (q_len, kv_len) for B batches and H heads, its tensors on `device`.
 
     Leaves are maskc.masks factories (and, unless standard_only, masks reading b/h or
     captured tables), composed with and_masks / or_masks / not_mask up to `max_depth`.
     """
-    leaf = _standard_leaf(q_len, kv_len)
-    if not standard_only:
-        leaf = st.one_of(leaf, _extra_leaf(q_len, kv_len, B, H))
+    def leaf():
+        # an explicit coin rather than st.one_of, which would flatten the standard choices
+        # alongside the extra ones and leave the extras rare
+        if not standard_only and draw(st.booleans()):
+            return draw(_extra_leaf(q_len, kv_len, B, H, device))
+        return draw(_standard_leaf(q_len, kv_len, device))
 
     def build(depth):
         if depth == 0 or draw(st.integers(0, 2)) == 0:
-            return draw(leaf)
+            return leaf()
         op = draw(st.sampled_from(("and", "or", "not")))
         if op == "not":
             return _masks.not_mask(build(depth - 1))
@@ -219,7 +228,7 @@ def mask_cases(draw, max_len: int = 256, *, standard_only: bool = False, max_bat
 
 
 @st.composite
-def score_mods(draw, q_len: int, kv_len: int, H: int = 1) -> ScoreMod | None:
+def score_mods(draw, q_len: int, kv_len: int, H: int = 1, device="cpu") -> ScoreMod | None:
     """None, softcap(c), alibi(slopes) with one slope per query head, or relative_bias(table)
     with a table covering every q_idx - kv_idx at these lengths (1-d or per head)."""
     kind = draw(st.sampled_from(("none", "softcap", "alibi", "relative_bias")))
@@ -230,11 +239,11 @@ def score_mods(draw, q_len: int, kv_len: int, H: int = 1) -> ScoreMod | None:
     seed = draw(st.integers(0, 2**32 - 1))
     if kind == "alibi":
         if draw(st.booleans()):
-            return _scores.alibi(_scores.alibi_slopes(H))
-        return _scores.alibi(torch.rand(H, generator=_generator(seed)))
+            return _scores.alibi(_scores.alibi_slopes(H).to(device))
+        return _scores.alibi(torch.rand(H, generator=_generator(seed)).to(device))
     width = q_len + kv_len - 1
     shape = (H, width) if draw(st.booleans()) else (width,)
-    return _scores.relative_bias(torch.randn(shape, generator=_generator(seed)), offset=kv_len - 1)
+    return _scores.relative_bias(torch.randn(shape, generator=_generator(seed)).to(device), offset=kv_len - 1)
 
 
 @st.composite
@@ -251,8 +260,8 @@ def attention_inputs(draw, max_len: int = 80, *, dtypes=DTYPES, head_dims=HEAD_D
     d = draw(st.sampled_from(head_dims))
     dv = draw(st.sampled_from((d, *head_dims)))
     dtype = draw(st.sampled_from(dtypes))
-    mask = draw(st.none() | masks(q_len, kv_len, B=B, H=h_q)) if with_mask else None
-    score = draw(score_mods(q_len, kv_len, H=h_q)) if with_score_mod else None
+    mask = draw(st.none() | masks(q_len, kv_len, B=B, H=h_q, device=device)) if with_mask else None
+    score = draw(score_mods(q_len, kv_len, H=h_q, device=device)) if with_score_mod else None
     scale = draw(st.sampled_from((None, 0.125, 1.0)))
     gen = _generator(draw(st.integers(0, 2**32 - 1)))
     q, k, v = (torch.randn(shape, generator=gen).to(dtype=dtype, device=device)

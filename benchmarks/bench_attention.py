@@ -1,9 +1,11 @@
-"""Forward attention: maskc beside FlexAttention and scaled_dot_product_attention, one run.
+"""Attention: maskc beside FlexAttention and scaled_dot_product_attention, in one run.
 
-    python benchmarks/bench_forward.py                    # B=4 H=16 L=8192 D=128 bf16
-    python benchmarks/bench_forward.py --dim 64 --length 16384
+    python benchmarks/bench_attention.py                  # forward, B=4 H=16 L=8192 D=128 bf16
+    python benchmarks/bench_attention.py --dim 64 --length 16384
+    python benchmarks/bench_attention.py --backward       # forward + backward
 
-TFLOP/s count 4·B·H·D·(pairs the mask keeps) for every implementation. Each maskc output
+TFLOP/s count 4·B·H·D·(pairs the mask keeps) for the forward, 3.5 times that for forward
+plus backward, the same count for every implementation. Each maskc output (and gradient)
 is checked against FlexAttention on the full problem and against the float64 reference on
 one (b, h) slice. Mask construction is timed separately from attention.
 """
@@ -44,6 +46,26 @@ def time_block_map(mask, L, block_size, dev) -> float:
     return sorted(times)[2]
 
 
+def outputs(run, q, k, v, d_out, backward):
+    out = run()
+    if not backward:
+        return [out.detach()]
+    return [out.detach(), *torch.autograd.grad(out, (q, k, v), d_out)]
+
+
+def with_backward(run, d_out):
+    return lambda: run().backward(d_out)
+
+
+def reference(q, k, v, d_out, mask, score, backward):
+    """float64 output (and gradients) on the (b=0, h=0) slice."""
+    q1, k1, v1 = (t[:1, :1].detach().double().requires_grad_(backward) for t in (q, k, v))
+    out, _ = attention_reference(q1, k1, v1, mask, score)
+    if not backward:
+        return [out]
+    return [out.detach(), *torch.autograd.grad(out, (q1, k1, v1), d_out[:1, :1].double())]
+
+
 def rel_err(a, b) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
@@ -54,37 +76,52 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--lengths", default="", help="comma-separated lengths to sweep instead of --length")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--only", default="", help="workload names to run, separated by |")
+    ap.add_argument("--backward", action="store_true", help="time forward + backward")
     args = ap.parse_args()
-    B, H, L, D = args.batch, args.heads, args.length, args.dim
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [args.length]
+    rows = []
+    for L in lengths:
+        rows += run(args, L)
+    table(args, rows)
+
+
+def run(args, L):
+    B, H, D = args.batch, args.heads, args.dim
     dev = "cuda"
     torch.manual_seed(0)
-    q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16, requires_grad=args.backward)
+               for _ in range(3))
+    d_out = torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16)
+    mode = "fwd+bwd" if args.backward else "fwd"
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"B={B} H={H} L={L} D={D} bf16")
+          f"B={B} H={H} L={L} D={D} bf16, {mode}")
     rows = []
     for name, mask, score in workloads(L, H, dev):
         if args.only and name not in args.only.split("|"):
             continue
         keep = dense_mask(mask, L, L, device=dev)[0, 0] if mask is not None else None
         pairs = int(keep.sum()) if keep is not None else L * L
-        flops = 4 * B * H * D * pairs
+        flops = 4 * B * H * D * pairs * (3.5 if args.backward else 1.0)
         spec = maskc.compile(mask, score, dtype=q.dtype, head_dim=D).spec
         t_map = time_block_map(mask, L, (spec.block_m, spec.block_n), dev) if mask is not None else 0.0
         run_maskc = lambda: maskc.compiled_attention(q, k, v, mask_mod=mask, score_mod=score)  # noqa: E731
-        out = run_maskc()
         flex_bm = create_block_mask(mask.fn, None, None, L, L, device=dev) if mask is not None else None
         run_flex = lambda: flex(q, k, v, score_mod=score.fn if score else None, block_mask=flex_bm)  # noqa: E731
-        ref_flex = run_flex()
-        err_flex = rel_err(out, ref_flex)
-        ref64, _ = attention_reference(q[:1, :1], k[:1, :1], v[:1, :1], mask, score)
-        err_ref = rel_err(out[:1, :1], ref64)
+        got = outputs(run_maskc, q, k, v, d_out, args.backward)
+        err_flex = max(rel_err(a, b) for a, b in zip(got, outputs(run_flex, q, k, v, d_out, args.backward)))
+        # the float64 slice needs 8·L² bytes per score matrix: skip it for the longest runs
+        err_ref = max(rel_err(a[:1, :1], b) for a, b in zip(got, reference(q, k, v, d_out, mask, score,
+                                                                             args.backward))) if L <= 16384 else 0.0
+        if args.backward:
+            run_maskc, run_flex = with_backward(run_maskc, d_out), with_backward(run_flex, d_out)
         t_maskc = bench(run_maskc)
         t_flex = bench(run_flex)
         t_flex_mask = bench(lambda: create_block_mask(mask.fn, None, None, L, L, device=dev)) if mask else 0.0
         t_sdpa = None
-        if score is None:
+        if score is None and not args.backward:
             if mask is None:
                 run_sdpa = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
             elif mask is maskc.masks.causal:
@@ -93,20 +130,26 @@ def main():
                 run_sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # noqa: E731
             t_sdpa = bench(run_sdpa)
         tf = lambda t: flops / (t * 1e-3) / 1e12  # noqa: E731
-        rows.append((name, tf(t_maskc), tf(t_flex), tf(t_sdpa) if t_sdpa else None, t_map, t_flex_mask,
+        rows.append((L, name, t_maskc, tf(t_maskc), tf(t_flex), tf(t_sdpa) if t_sdpa else None, t_map, t_flex_mask,
                      err_ref, err_flex))
         print(f"{name:24s} maskc {tf(t_maskc):6.1f}  flex {tf(t_flex):6.1f}  "
               f"sdpa {tf(t_sdpa) if t_sdpa else float('nan'):6.1f} TFLOP/s | err vs f64 {err_ref:.1e} "
               f"vs flex {err_flex:.1e}", flush=True)
-        assert err_ref < 2e-2 and math.isfinite(err_ref), f"{name}: maskc disagrees with the reference"
+        assert err_ref < 2e-2 and err_flex < 2e-2 and math.isfinite(err_ref), f"{name}: maskc disagrees"
+    return rows
+
+
+def table(args, rows):
+    mode = "fwd+bwd" if args.backward else "fwd"
     print()
-    print(f"| workload (B={B} H={H} L={L} D={D} bf16) | maskc | FlexAttention | SDPA | maskc/Flex | maskc/SDPA "
-          f"| maskc block map ms | flex create_block_mask ms |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, m, f, s, tm, tfm in (r[:6] for r in rows):
+    print(f"| workload ({mode}, B={args.batch} H={args.heads} D={args.dim} bf16) | L | maskc ms | maskc TFLOP/s "
+          f"| FlexAttention | SDPA | maskc/Flex | maskc/SDPA | maskc block map ms | flex create_block_mask ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for L, name, ms, m, f, s, tm, tfm in (r[:8] for r in rows):
         s_txt = f"{s:.0f}" if s else "—"
         ratio_s = f"{m / s:.2f}" if s else "—"
-        print(f"| {name} | {m:.0f} | {f:.0f} | {s_txt} | {m / f:.2f} | {ratio_s} | {tm:.1f} | {tfm:.2f} |")
+        print(f"| {name} | {L} | {ms:.3f} | {m:.0f} | {f:.0f} | {s_txt} | {m / f:.2f} | {ratio_s} | {tm:.1f} "
+              f"| {tfm:.2f} |")
 
 
 if __name__ == "__main__":
