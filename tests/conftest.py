@@ -4,14 +4,8 @@
 `--hypothesis-profile=thorough` for a long fuzzing run. Every failure prints the
 `@reproduce_failure` blob that replays it.
 """
-import pathlib
-import sys
 
 from hypothesis import HealthCheck, settings
-
-# NOTE: lets `pytest` run from a checkout without installing maskc; appended, so an
-# installed maskc (a wheel under test) still wins.
-sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent))
 
 # Drawing a mask traces it with sympy, which hypothesis's health check can take for a slow strategy.
 settings.register_profile("maskc", max_examples=50, deadline=None, print_blob=True,

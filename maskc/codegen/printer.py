@@ -23,8 +23,8 @@ _NAMES = {B: "off_b", H: "off_h", Q_IDX: "q_idx", KV_IDX: "kv_idx", SCORE: "scor
 class TritonPrinter(CodePrinter):
     """`TritonPrinter().doprint(expr)` -> Triton source text for `expr`.
 
-    >>> TritonPrinter().doprint(sympy.Mod(-Q_IDX, 7))
-    '_mod((-q_idx), 7)'
+    >>> TritonPrinter().doprint(sympy.floor((Q_IDX - KV_IDX) / 3))
+    '_floordiv((q_idx + (-1 * kv_idx)), 3)'
     """
 
     printmethod = "_tritoncode"
@@ -38,7 +38,12 @@ class TritonPrinter(CodePrinter):
     def doprint(self, expr, assign_to=None):
         return self._print(expr)
 
-    def emptyPrinter(self, expr):
+    def _print(self, expr, **kwargs):
+        # Only our own rules: sympy's generic fallbacks would print names Triton cannot run.
+        for cls in type(expr).__mro__:
+            rule = TritonPrinter.__dict__.get(f"_print_{cls.__name__}")
+            if rule is not None:
+                return rule(self, expr)
         raise ValueError(f"maskc cannot print {type(expr).__name__} ({expr}) for Triton; "
                          f"add a _print_{type(expr).__name__} rule to maskc/codegen/printer.py")
 
@@ -185,7 +190,8 @@ class TritonPrinter(CodePrinter):
             return f"tl.load({name})"
         offset = " + ".join(f"({i}) * {name}_stride{d}" for d, i in enumerate(index))
         inside = " & ".join(f"(({i}) >= 0) & (({i}) < {name}_size{d})" for d, i in enumerate(index))
-        return f"tl.load({name} + {offset}, mask={inside}, other=0)"
+        # `!= 0`: Triton's interpreter gives `scalar_bool & block_bool` a dtype tl.load refuses
+        return f"tl.load({name} + {offset}, mask=({inside}) != 0, other=0)"
 
     _print_LoadInt = _print_LoadFloat = _print_LoadBool = _print_load
 

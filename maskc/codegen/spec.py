@@ -66,7 +66,7 @@ def merge(mask: Traced | None, score: Traced | None):
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}[dtype]
 
 
 __all__ = ["KernelSpec", "dtype_name", "merge"]

@@ -6,6 +6,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+import triton.language as tl
 
 from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.build import block_map as build_block_map
@@ -51,7 +52,8 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
     """Attention with a specialised, tile-skipping kernel; differentiable in q, k and v.
 
     q [B, Hq, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv] (FlexAttention's shapes).
-    Returns out [B, Hq, Lq, Dv], or (out, lse) with lse float32 [B, Hq, Lq] in natural log.
+    Returns out [B, Hq, Lq, Dv], or (out, lse) with lse [B, Hq, Lq] in natural log (float32;
+    float64 for float64 inputs, which exist for gradcheck and run slowly).
     Rows with no kept key give out = 0 and lse = -inf. CPU tensors run the same generated
     kernel through Triton's interpreter. A captured tensor indexed out of its range reads 0.
 
@@ -61,9 +63,9 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
     mask, score = as_mask_mod(mask_mod), as_score_mod(score_mod)
     B, Hq, Lq, D = q.shape
     Lkv, Dv = k.shape[2], v.shape[3]
-    if Lq == 0 or Lkv == 0:
+    if 0 in (B, Hq, Lq, Lkv):
         out = torch.zeros((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
-        lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full((B, Hq, Lq), float("-inf"), dtype=accumulator(q.dtype), device=q.device)
         return (out, lse) if return_lse else out
     _check_captured(mask, score, q.device)
     if block_map is not None:
@@ -124,13 +126,23 @@ def _problem(q, k, v, mask, score, scale, block_map) -> Problem:
     return Problem(mask, score, scale, Hq != Hkv, block_map, given, kernel, extra)
 
 
+def interpreter_safe(*tensors):
+    """NOTE: Triton's interpreter (3.9) multiplies bf16 tl.dot operands as raw 16-bit
+    integers, so on CPU bf16 runs in float32 (exact for bf16 inputs) and is rounded back."""
+    if tensors[0].device.type != "cuda" and tensors[0].dtype == torch.bfloat16:
+        return tuple(t.float() for t in tensors)
+    return tensors
+
+
 def forward(q, k, v, problem: Problem):
     """(out, lse) from the forward kernel."""
+    dtype = q.dtype
+    q, k, v = interpreter_safe(q, k, v)
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     spec, bm = problem.kernel.spec, problem.block_map
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, Hq, Lq), dtype=accumulator(q.dtype), device=q.device)
     row_b, row_h = bm.kernel_rows(B, Hq)
     even_kv = Lkv % spec.block_n == 0
     fn = problem.kernel.function(problem.interpret)
@@ -142,14 +154,23 @@ def forward(q, k, v, problem: Problem):
         HEAD_DIM=D, HEAD_DIM_V=Dv, D_PAD=padded(D), DV_PAD=padded(Dv),
         BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, EVEN_KV=even_kv,
         K_UNMASKED=even_kv and D == padded(D), V_UNMASKED=even_kv and Dv == padded(Dv),
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=spec.num_warps, num_stages=spec.num_stages,
+        DOT_PRECISION=dot_precision(q.dtype), ACC=triton_dtype(accumulator(q.dtype)),
+        num_warps=spec.num_warps, num_stages=spec.num_stages,
     )
-    return out, lse
+    return out.to(dtype), lse
 
 
 def dot_precision(dtype) -> str:
     # float32 inputs get exact products; tf32 would cost about 1e-3 relative error
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def accumulator(dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def triton_dtype(dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
 
 
 def _check_tensors(q, k, v, enable_gqa):
@@ -162,7 +183,7 @@ def _check_tensors(q, k, v, enable_gqa):
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them to one")
     if q.dtype not in _DTYPES:
-        raise TypeError(f"q, k and v must be float16, bfloat16 or float32, got {q.dtype}; cast them")
+        raise TypeError(f"q, k and v must be float16, bfloat16, float32 or float64, got {q.dtype}; cast them")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}; move them")
     if q.device.type not in ("cpu", "cuda"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from maskc.runtime.attention import Problem, cached_block_map, dot_precision, forward
+from maskc.runtime.attention import Problem, cached_block_map, dot_precision, forward, interpreter_safe, triton_dtype
 from maskc.runtime.configs import BackwardConfig, TileConfig, backward_config, padded
 from maskc.runtime.kernel import kernel_for
 
@@ -39,16 +39,18 @@ def backward(q, k, v, out, lse, d_out, problem: Problem):
         config = BackwardConfig(same, same)
     kernel = kernel_for("bwd", problem.mask, problem.score, q.dtype, D, Dv, problem.gqa,
                         (config.dq.block_m, config.dq.block_n), device)
-    d_out = d_out.contiguous()
+    dtype = q.dtype
+    q, k, v, out, d_out = interpreter_safe(q, k, v, out, d_out.contiguous())
+    acc = triton_dtype(lse.dtype)
     delta = torch.empty_like(lse)
     kernel.function(problem.interpret, "attention_bwd_delta")[(-(-Lq // config.dq.block_m), B * Hq)](
         out, d_out, delta, *out.stride(), *d_out.stride(), Hq, Lq, HEAD_DIM_V=Dv, DV_PAD=padded(Dv),
-        BLOCK_M=config.dq.block_m)
+        BLOCK_M=config.dq.block_m, ACC=acc)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     shared = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, D_PAD=padded(D), DV_PAD=padded(Dv),
-                  DOT_PRECISION=dot_precision(q.dtype))
+                  DOT_PRECISION=dot_precision(q.dtype), ACC=acc)
     sizes = (Hq, Hq // Hkv, Lq, Lkv, problem.scale)
 
     dq_map = _map(problem, config.dq, Lq, Lkv, B, Hq)
@@ -66,7 +68,7 @@ def backward(q, k, v, out, lse, d_out, problem: Problem):
         *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *dk.stride(), *dv.stride(), *sizes,
         kv_map.full_offsets, kv_map.full_runs, kv_map.partial_offsets, kv_map.partial_runs, row_b, row_h,
         *problem.extra, EVEN=Lq % config.dkdv.block_m == 0, **shared, **_launch(config.dkdv))
-    return dq, dk, dv
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 def _launch(tiles: TileConfig) -> dict:

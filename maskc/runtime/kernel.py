@@ -15,7 +15,7 @@ from maskc.runtime.cache import KERNELS
 from maskc.runtime.configs import forward_config
 from maskc.trace.mods import as_mask_mod, as_score_mod
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
@@ -63,13 +63,18 @@ def compile(mask_mod=None, score_mod=None, *, dtype=torch.bfloat16, head_dim: in
 def kernel_for(kind, mask, score, dtype, head_dim, head_dim_v, gqa, block_size, device) -> CompiledKernel:
     """The `kind` ("fwd" or "bwd") kernel for traced mask and score, from memory, disk or rendering."""
     if dtype not in _DTYPES:
-        raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}; cast q, k and v")
+        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype}; cast q, k and v")
     for name, d in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
         if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
             raise ValueError(f"{name} must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {d}; "
                              f"pad or split the heads")
     config = forward_config(head_dim, device.type)
     if block_size is not None:
+        block_size = tuple(block_size)
+        if len(block_size) != 2 or any(not isinstance(b, int) or b < 16 or b > 256 or b & (b - 1)
+                                       for b in block_size):
+            raise ValueError(f"block_size must be two powers of two from 16 to 256, got {block_size!r}; "
+                             f"use for example (64, 64)")
         config = config._replace(block_m=block_size[0], block_n=block_size[1])
     arch = arch_of(device)
     key = (kind, mask.signature if mask else "", score.signature if score else "", dtype, head_dim, head_dim_v, gqa,

@@ -20,7 +20,7 @@ from maskc.errors import MaskTraceError
 from maskc.trace import _context
 from maskc.trace.canonical import canonicalize
 from maskc.trace.proxy import Proxy, wrap
-from maskc.trace.symbols import INDEX_SYMBOLS, SCORE, param_symbol
+from maskc.trace.symbols import INDEX_SYMBOLS, LOADS, SCORE, is_load, param_symbol
 
 _LOCK = threading.Lock()
 # Functions from these packages are library code: never re-bound, never treated as user code.
@@ -176,8 +176,9 @@ def _trace_error(kind, name, filename, lineno, what, fix):
 
 
 def _renumber(kind, name, expr, raw_params, tensors) -> Traced:
-    """Keep the parameters the expression uses, numbered by first discovery, so that two
-    spellings with different variable names get the same signature."""
+    """Keep the parameters and tensors the expression uses, numbered by first discovery, so
+    that the signature alone decides the kernel (two spellings with different variable
+    names, or a capture that simplified away, change nothing)."""
     used = expr.free_symbols
     params = []
     mapping = {}
@@ -188,4 +189,7 @@ def _renumber(kind, name, expr, raw_params, tensors) -> Traced:
             params.append(Param(new, value, origin))
     # simultaneous substitution: p3 -> p0 must not capture an existing p0
     expr = expr.xreplace(mapping)
-    return Traced(kind, name, expr, tuple(params), tensors)
+    slots = sorted({int(load.args[0]) for load in expr.atoms(*LOADS)})
+    new_slot = {old: i for i, old in enumerate(slots)}
+    expr = expr.replace(is_load, lambda e: type(e)(new_slot[int(e.args[0])], *e.args[1:]))
+    return Traced(kind, name, expr, tuple(params), tuple(tensors[i] for i in slots))

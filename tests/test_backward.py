@@ -1,0 +1,104 @@
+"""Gradients of compiled_attention against float64 autograd of the reference, on CPU
+through Triton's interpreter, plus gradcheck on tiny float64 problems."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import maskc
+from maskc import masks, scores
+from maskc.testing import assert_close_to_reference, attention_reference
+from maskc.testing.strategies import attention_inputs
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("MASKC_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernels"))
+
+
+def _grads(inputs, fn, d_out):
+    leaves = [t.detach().clone().requires_grad_() for t in (inputs.q, inputs.k, inputs.v)]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves, d_out.to(out.dtype))
+    return out, grads
+
+
+def _check(inputs, d_out):
+    kwargs = inputs.kwargs()
+    out, grads = _grads(inputs, lambda q, k, v: maskc.compiled_attention(q, k, v, **kwargs), d_out)
+    ref_inputs = type(inputs)(*(t.double() for t in (inputs.q, inputs.k, inputs.v)), inputs.mask_mod,
+                              inputs.score_mod, inputs.scale, inputs.enable_gqa)
+    ref, ref_grads = _grads(ref_inputs, lambda q, k, v: attention_reference(q, k, v, **kwargs)[0], d_out)
+    assert_close_to_reference(out.detach(), ref.detach(), inputs.dtype, "output")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        if want.norm() == 0:  # e.g. one key: the softmax is constant, dq is 0 up to rounding
+            assert got.abs().max() < 1e-4, f"{name} should be zero, got max {got.abs().max()}"
+            continue
+        assert_close_to_reference(got, want, inputs.dtype, name)
+
+
+@settings(max_examples=15)
+@given(inputs=attention_inputs(max_len=64, dtypes=(torch.float32,)), seed=st.integers(0, 2**31))
+def test_gradients_match_reference(inputs, seed):
+    gen = torch.Generator().manual_seed(seed)
+    d_out = torch.randn(*inputs.q.shape[:3], inputs.v.shape[-1], generator=gen)
+    _check(inputs, d_out)
+
+
+@settings(max_examples=5)
+@given(inputs=attention_inputs(max_len=48, dtypes=(torch.bfloat16, torch.float16), head_dims=(16, 32)))
+def test_gradients_half_precision(inputs):
+    _check(inputs, torch.randn(*inputs.q.shape[:3], inputs.v.shape[-1]))
+
+
+TINY = [
+    (masks.causal, None),
+    (masks.sliding_window(3), scores.softcap(2.0)),
+    (masks.prefix_lm(4), scores.alibi(scores.alibi_slopes(2))),
+    (masks.document(torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3]), causal=True),
+     scores.relative_bias(torch.randn(2, 21, dtype=torch.float64), offset=10)),
+]
+
+
+@pytest.mark.parametrize("mask_mod,score_mod", TINY, ids=lambda m: getattr(m, "__name__", "none"))
+def test_gradcheck_float64(mask_mod, score_mod):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 11, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 11, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 11, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k, v):
+        return maskc.compiled_attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, enable_gqa=True)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True)
+
+
+def test_fully_masked_rows_have_zero_gradients():
+    # rows q_idx < 3 keep nothing: their outputs are 0 and every gradient through them is 0
+    mask = maskc.mask_mod(lambda b, h, q_idx, kv_idx: (q_idx >= 3) & (kv_idx <= q_idx))
+    q, k, v = (torch.randn(1, 1, 40, 32, requires_grad=True) for _ in range(3))
+    out = maskc.compiled_attention(q, k, v, mask_mod=mask)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    for g in (dq, dk, dv):
+        assert not torch.isnan(g).any()
+    assert torch.count_nonzero(dq[:, :, :3]) == 0
+    assert torch.count_nonzero(out[:, :, :3]) == 0
+
+
+def test_gqa_gradients_sum_over_the_group():
+    q = torch.randn(1, 4, 33, 16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 29, 16, requires_grad=True) for _ in range(2))
+    out = maskc.compiled_attention(q, k, v, mask_mod=masks.causal, enable_gqa=True)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    ref = attention_reference(*(t.double() for t in (q, k, v)), masks.causal, enable_gqa=True)[0]
+    ref_grads = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
+    for got, want in zip(grads, ref_grads):
+        assert_close_to_reference(got, want, torch.float32)
+
+
+def test_captured_tensor_requiring_grad_is_refused():
+    table = torch.zeros(64, requires_grad=True)
+    bias = scores.relative_bias(table, offset=31)
+    q, k, v = (torch.randn(1, 1, 16, 16, requires_grad=True) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="requires grad"):
+        maskc.compiled_attention(q, k, v, score_mod=bias)

@@ -1,0 +1,248 @@
+"""The kernel cache: one kernel per canonical expression, shared across values, kept on disk."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import maskc
+import maskc.runtime.attention as attention
+from maskc import masks, scores
+from maskc.codegen.printer import TritonPrinter
+from maskc.runtime import KERNELS
+from maskc.testing import assert_close_to_reference, attention_reference
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    path = tmp_path / "kernels"
+    monkeypatch.setenv("MASKC_CACHE_DIR", str(path))
+    monkeypatch.delenv("MASKC_DEBUG", raising=False)
+    KERNELS.clear()
+    attention._BLOCK_MAPS.clear()
+    yield path
+    KERNELS.clear()
+
+
+def _compile(mask=None, score=None, **kwargs):
+    kwargs = {"dtype": torch.float32, "head_dim": 32, "device": "cpu", **kwargs}
+    return maskc.compile(mask_mod=mask, score_mod=score, **kwargs)
+
+
+def _qkv(L=40, D=32, B=1, H=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, L, D, generator=g) for _ in range(3))
+
+
+def _run_and_check(q, k, v, **kwargs):
+    out = maskc.compiled_attention(q, k, v, **kwargs)
+    kwargs.pop("block_map", None)
+    ref, _ = attention_reference(q, k, v, **kwargs)
+    assert_close_to_reference(out, ref)
+    return out
+
+
+# -- what a kernel is -----------------------------------------------------------------------
+def test_source_is_the_file_that_runs(cache_dir):
+    kernel = _compile(masks.sliding_window(8), scores.softcap(20.0))
+    assert isinstance(kernel, maskc.CompiledKernel)
+    assert kernel.path.parent == cache_dir
+    assert kernel.source == kernel.path.read_text()
+    assert "@triton.jit" in kernel.source
+    compile(kernel.source, str(kernel.path), "exec")  # valid Python as written
+
+
+def test_file_names_are_readable(cache_dir):
+    kernel = _compile(masks.causal)
+    assert re.fullmatch(r"fwd_fp32_d32_bm32_bn32_[0-9a-f]{16}\.py", kernel.path.name), kernel.path.name
+    assert kernel.path.stem.endswith(kernel.signature)
+    half = _compile(masks.causal, dtype=torch.float16, head_dim=64)
+    assert re.fullmatch(r"fwd_fp16_d64_bm32_bn32_[0-9a-f]{16}\.py", half.path.name), half.path.name
+    assert sorted(p.name for p in cache_dir.iterdir()) == sorted([kernel.path.name, half.path.name])
+
+
+@pytest.mark.parametrize("mask", [masks.sliding_window(8), masks.chunked_causal(24),
+                                  masks.document(torch.tensor([0, 0, 1, 1, 1, 2]), causal=True)],
+                         ids=lambda m: m.__name__)
+def test_full_tiles_have_no_mask_code(mask):
+    source = _compile(mask, scores.alibi(scores.alibi_slopes(2))).source
+    assert source.count("# PARTIAL tiles") == 1 and source.count("# FULL tiles") == 1
+    head, full = source.split("# FULL tiles")
+    partial = head.split("# PARTIAL tiles")[1]
+    mask_text = TritonPrinter().doprint(mask.expr)
+    assert f"keep = ({mask_text}) != 0" in partial
+    assert mask_text not in full
+    assert "keep" not in full
+    # the score mod is applied in both loops
+    assert full.count("s = (") == 1 and partial.count("s = (") == 1
+
+
+# -- sharing --------------------------------------------------------------------------------
+def test_equivalent_spellings_share_one_kernel():
+    def ge(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def le(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    first = _compile(ge)
+    assert maskc.cache_info().misses == 1
+    for other in (le, masks.causal):
+        kernel = _compile(other)
+        assert (kernel.signature, kernel.path) == (first.signature, first.path)
+    info = maskc.cache_info()
+    assert (info.misses, info.hits, info.currsize) == (1, 2, 1)
+
+
+def test_window_sizes_share_one_kernel():
+    q, k, v = _qkv()
+    out8 = _run_and_check(q, k, v, mask_mod=masks.sliding_window(8))
+    misses = maskc.cache_info().misses
+    assert misses == 1
+    out16 = _run_and_check(q, k, v, mask_mod=masks.sliding_window(16))
+    assert maskc.cache_info().misses == misses
+    assert not torch.allclose(out8, out16)
+    assert _compile(masks.sliding_window(8)).path == _compile(masks.sliding_window(1000)).path
+
+
+def test_captured_tensor_values_do_not_compile():
+    ids = torch.tensor([0] * 10 + [1] * 20 + [2] * 10)
+    mask = masks.document(ids, causal=True)
+    q, k, v = _qkv()
+    before = _run_and_check(q, k, v, mask_mod=mask)
+    misses = maskc.cache_info().misses
+    ids[15:] = 3  # in place: the same mask object now means something else
+    after = _run_and_check(q, k, v, mask_mod=mask)
+    assert not torch.allclose(before, after)
+    other = masks.document(torch.arange(40) // 7, causal=True)  # another tensor, same expression
+    _run_and_check(q, k, v, mask_mod=other)
+    assert maskc.cache_info().misses == misses
+
+
+def test_new_dtype_head_dim_or_expression_compiles():
+    _compile(masks.causal)
+    _compile(masks.causal, dtype=torch.float16)
+    _compile(masks.causal, head_dim=64)
+    _compile(masks.causal, head_dim_v=16)
+    _compile(masks.prefix_lm(4))
+    _compile(masks.causal, scores.softcap(3.0))
+    assert maskc.cache_info().misses == 6
+    assert len(os.listdir(os.environ["MASKC_CACHE_DIR"])) == 6
+
+
+def test_signature_equal_masks_with_different_captures():
+    ids = torch.arange(40) // 5
+
+    def folded(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[q_idx]) & (q_idx >= kv_idx)
+
+    folded = maskc.mask_mod(folded)
+    assert folded.signature == masks.causal.signature and len(folded.traced.tensors) == 1
+    q, k, v = _qkv()
+    _run_and_check(q, k, v, mask_mod=masks.causal)
+    _run_and_check(q, k, v, mask_mod=folded)
+
+
+# -- memory, disk, other processes ----------------------------------------------------------
+def test_memory_then_disk(cache_dir):
+    kernel = _compile(masks.causal)
+    mtime = kernel.path.stat().st_mtime_ns
+    assert _compile(masks.causal) is kernel
+    assert tuple(maskc.cache_info()) == (1, 1, 0, 1)
+    KERNELS.clear()
+    again = _compile(masks.causal)
+    assert tuple(maskc.cache_info()) == (0, 0, 1, 1)
+    assert again.source == kernel.source and again.path == kernel.path
+    assert kernel.path.stat().st_mtime_ns == mtime  # read, not rewritten
+    assert not [p for p in cache_dir.iterdir() if p.suffix != ".py"]  # no temporary files left
+
+
+_CHILD = """
+import json, torch, maskc
+maskc.compile(maskc.masks.causal, dtype=torch.float32, head_dim=32, device="cpu")
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 40, 32, generator=g) for _ in range(3))
+out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.sliding_window(5))
+ref, _ = maskc.testing.attention_reference(q, k, v, mask_mod=maskc.masks.sliding_window(5))
+maskc.testing.assert_close_to_reference(out, ref)
+print(json.dumps(maskc.cache_info()._asdict()))
+"""
+
+
+def test_second_process_renders_nothing(cache_dir):
+    _compile(masks.causal)
+    q, k, v = _qkv()
+    _run_and_check(q, k, v, mask_mod=masks.sliding_window(9))
+    files = sorted(cache_dir.iterdir())
+    assert len(files) == 2
+    env = {**os.environ, "MASKC_CACHE_DIR": str(cache_dir)}
+    env.pop("MASKC_DEBUG", None)
+    result = subprocess.run([sys.executable, "-c", "import maskc.testing\n" + _CHILD], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout.strip().splitlines()[-1])
+    assert info["misses"] == 0 and info["disk_hits"] >= 2, info
+    assert sorted(cache_dir.iterdir()) == files
+
+
+def test_debug_prints_the_source(monkeypatch, capsys):
+    monkeypatch.setenv("MASKC_DEBUG", "1")
+    kernel = _compile(masks.sliding_window(3))
+    out = capsys.readouterr().out
+    assert kernel.source in out and str(kernel.path) in out
+    KERNELS.clear()
+    _compile(masks.sliding_window(3))  # read from disk: printed too
+    assert kernel.source in capsys.readouterr().out
+    monkeypatch.setenv("MASKC_DEBUG", "0")
+    KERNELS.clear()
+    _compile(masks.sliding_window(3))
+    assert capsys.readouterr().out == ""
+
+
+# -- block maps -----------------------------------------------------------------------------
+@pytest.fixture
+def builds(monkeypatch):
+    calls = []
+    real = attention.build_block_map
+
+    def counting(mask, *args, **kwargs):
+        calls.append(mask.__name__)
+        return real(mask, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "build_block_map", counting)
+    return calls
+
+
+def test_block_maps_are_reused(builds):
+    q, k, v = _qkv()
+    for _ in range(3):
+        _run_and_check(q, k, v, mask_mod=masks.sliding_window(8))
+    assert len(builds) == 1
+    _run_and_check(q, k, v, mask_mod=masks.sliding_window(8))  # an equal mask from a new factory call
+    assert len(builds) == 1
+    _run_and_check(q, k, v, mask_mod=masks.sliding_window(16))  # other parameter values: another map
+    _run_and_check(q[:, :, :33], k, v, mask_mod=masks.sliding_window(16))  # other lengths: another map
+    assert len(builds) == 3
+    assert len(attention._BLOCK_MAPS) == 3
+
+
+def test_block_map_follows_in_place_changes(builds):
+    ids = torch.tensor([0] * 20 + [1] * 20)
+    mask = masks.document(ids)
+    q, k, v = _qkv()
+    _run_and_check(q, k, v, mask_mod=mask)
+    _run_and_check(q, k, v, mask_mod=mask)
+    assert len(builds) == 1
+    ids[5:25] = 7
+    _run_and_check(q, k, v, mask_mod=mask)
+    assert len(builds) == 2
+
+
+def test_given_block_map_builds_nothing(builds):
+    q, k, v = _qkv()
+    bm = maskc.block_map(masks.causal, 40, 40, block_size=(32, 32))
+    _run_and_check(q, k, v, mask_mod=masks.causal, block_map=bm)
+    assert builds == []
