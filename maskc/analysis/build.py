@@ -15,6 +15,7 @@ from maskc.analysis import dense
 from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.classify import EMPTY, FULL, PARTIAL, classify_grid
 from maskc.analysis.intervals import Interval, IntervalEvaluator, TensorSummaries, _Undecidable
+from maskc.analysis._shapes import broadcast
 from maskc.analysis.pieces import OPS, Pieces, compress
 from maskc.trace import symbols as S
 from maskc.trace.mods import as_mask_mod
@@ -49,7 +50,7 @@ def block_map(mask_mod, q_len: int, kv_len: int, *, block_size=(128, 128), B: in
                              f"built on {device}; move the tensor or pass device={t.device}")
     ctx = _Analysis(traced, q_len, kv_len, bm, bn, n_b, n_h, device)
     pieces = ctx.pieces(traced.expr)
-    pieces = ctx.settle(pieces.expand(torch.broadcast_shapes(pieces.starts.shape[:3], (1, 1, ctx.n_q))))
+    pieces = ctx.settle(pieces.expand(broadcast(pieces.starts.shape[:3], (1, 1, ctx.n_q))))
     return BlockMap(pieces, q_len=q_len, kv_len=kv_len, block_size=block_size, mask_name=mm.__name__, mask_mod=mm)
 
 
@@ -130,13 +131,13 @@ class _Analysis:
         if threshold is not None:
             return threshold
         cls, certain = classify_grid(e, self.evaluator(self.tile_frame))
-        shape = torch.broadcast_shapes(cls.shape, (1, 1, self.n_q, self.n_kv))
+        shape = broadcast(cls.shape, (1, 1, self.n_q, self.n_kv))
         return Pieces.from_grid(cls.expand(shape), certain.expand(shape), shape[:3])
 
     def _uniform(self, cls, certain) -> Pieces:
         """One piece per row: a verdict that does not depend on kv_idx."""
         cls, certain = cls.to(self.device), certain.to(self.device)
-        shape = torch.broadcast_shapes(cls.shape, (1, 1, 1, 1))
+        shape = broadcast(cls.shape, (1, 1, 1, 1))
         cls, certain = cls.expand(shape), certain.expand(shape)
         return Pieces(torch.zeros(shape, dtype=torch.int64, device=self.device), cls, certain, self.n_kv)
 
@@ -158,7 +159,7 @@ class _Analysis:
         if r.lo.dtype != torch.int64:
             return None
         a = int(a)
-        shape = torch.broadcast_shapes(r.lo.shape, (1, 1, 1, 1))
+        shape = broadcast(r.lo.shape, (1, 1, 1, 1))
         r_lo, r_hi = r.lo.expand(shape)[..., 0], r.hi.expand(shape)[..., 0]
         if a > 0:
             first_kept = _ceildiv(-r_hi, a)  # smallest kv kept by some q of the row

@@ -11,6 +11,7 @@ import sympy
 import torch
 
 from maskc.analysis.intervals import IntervalEvaluator, _Undecidable
+from maskc.analysis._shapes import broadcast
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -84,7 +85,7 @@ def classify_grid(expr, evaluator: IntervalEvaluator):
         try:
             iv = evaluator.run(diff)
         except _Undecidable:
-            shape = torch.broadcast_shapes(*(f.lo.shape for f in evaluator.frame.values()))
+            shape = broadcast(*(f.lo.shape for f in evaluator.frame.values()))
             return (torch.full(shape, PARTIAL, dtype=torch.int8, device=evaluator.device),
                     torch.zeros(shape, dtype=torch.bool, device=evaluator.device))
         return relation(expr, iv)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from maskc.analysis._shapes import broadcast
 from maskc.analysis.classify import combine_and, combine_not, combine_or, combine_xor
 
 
@@ -40,7 +41,7 @@ class Pieces:
         return torch.cat([self.starts[..., 1:], pad], dim=-1)
 
     def combine(self, other: "Pieces", op) -> "Pieces":
-        shape = torch.broadcast_shapes(self.starts.shape[:-1], other.starts.shape[:-1])
+        shape = broadcast(self.starts.shape[:-1], other.starts.shape[:-1])
         a, b = self.expand(shape), other.expand(shape)
         starts = torch.sort(torch.cat([a.starts, b.starts], dim=-1), dim=-1).values
         va, vb = a.at(starts), b.at(starts)
@@ -63,6 +64,7 @@ class Pieces:
 
 
 OPS = {"and": combine_and, "or": combine_or, "xor": combine_xor}
+
 
 
 def compress(starts, cls, certain, n_kv) -> Pieces:
