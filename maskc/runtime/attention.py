@@ -154,6 +154,7 @@ def forward(q, k, v, problem: Problem):
         HEAD_DIM=D, HEAD_DIM_V=Dv, D_PAD=padded(D), DV_PAD=padded(Dv),
         BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, EVEN_KV=even_kv,
         K_UNMASKED=even_kv and D == padded(D), V_UNMASKED=even_kv and Dv == padded(Dv),
+        POSITIVE_SCALE=problem.scale > 0,
         DOT_PRECISION=dot_precision(q.dtype), ACC=triton_dtype(accumulator(q.dtype)),
         num_warps=spec.num_warps, num_stages=spec.num_stages,
     )
