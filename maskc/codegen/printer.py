@@ -115,17 +115,17 @@ class TritonPrinter(CodePrinter):
             return f"({self._print(a)} % {self._print(m)})"
         return f"_mod({self._print(a)}, {self._print(m)})"
 
-    def _print_Min(self, e):
+    def _fold(self, fn, e):
         out = self._print(e.args[0])
         for a in e.args[1:]:
-            out = f"tl.minimum({out}, {self._print(a)})"
+            out = f"{fn}({out}, {self._print(a)})"
         return out
 
+    def _print_Min(self, e):
+        return self._fold("tl.minimum", e)
+
     def _print_Max(self, e):
-        out = self._print(e.args[0])
-        for a in e.args[1:]:
-            out = f"tl.maximum({out}, {self._print(a)})"
-        return out
+        return self._fold("tl.maximum", e)
 
     def _print_Abs(self, e):
         return f"tl.abs({self._print(e.args[0])})"
