@@ -11,7 +11,8 @@ import triton.language as tl
 from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.build import block_map as build_block_map
 from maskc.codegen.spec import merge
-from maskc.runtime.configs import override_key, padded
+from maskc.runtime.configs import descriptors_enabled, override_key, padded
+from maskc.runtime.descriptors import descriptors
 from maskc.runtime.kernel import _DTYPES, CompiledKernel, kernel_for
 from maskc.trace.mods import as_mask_mod, as_score_mod
 
@@ -145,17 +146,21 @@ def forward(q, k, v, problem: Problem):
     lse = torch.empty((B, Hq, Lq), dtype=accumulator(q.dtype), device=q.device)
     row_b, row_h = bm.kernel_rows(B, Hq)
     even_kv = Lkv % spec.block_n == 0
+    d_pad, dv_pad = padded(D), padded(Dv)
+    tma = descriptors([(q, (1, 1, spec.block_m, d_pad)), (k, (1, 1, spec.block_n, d_pad)),
+                       (v, (1, 1, spec.block_n, dv_pad)), (out, (1, 1, spec.block_m, dv_pad))],
+                      enabled=descriptors_enabled())
     fn = problem.kernel.function(problem.interpret)
     fn[(-(-Lq // spec.block_m), B * Hq)](
-        q, k, v, out, lse,
+        *(tma or (q, k, v, out)), lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         Hq, Hq // Hkv, Lq, Lkv, problem.scale if problem.score is not None else problem.scale * _LOG2E,
         bm.full_offsets, bm.full_runs, bm.partial_offsets, bm.partial_runs, row_b, row_h, *problem.extra,
-        HEAD_DIM=D, HEAD_DIM_V=Dv, D_PAD=padded(D), DV_PAD=padded(Dv),
+        HEAD_DIM=D, HEAD_DIM_V=Dv, D_PAD=d_pad, DV_PAD=dv_pad,
         BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, EVEN_KV=even_kv,
-        K_UNMASKED=even_kv and D == padded(D), V_UNMASKED=even_kv and Dv == padded(Dv),
+        K_UNMASKED=even_kv and D == d_pad, V_UNMASKED=even_kv and Dv == dv_pad,
         POSITIVE_SCALE=problem.scale > 0,
-        DOT_PRECISION=dot_precision(q.dtype), ACC=triton_dtype(accumulator(q.dtype)),
+        DOT_PRECISION=dot_precision(q.dtype), ACC=triton_dtype(accumulator(q.dtype)), TMA=tma is not None,
         num_warps=spec.num_warps, num_stages=spec.num_stages,
     )
     return out.to(dtype), lse

@@ -21,10 +21,13 @@ _overrides: dict = {}
 
 
 @contextlib.contextmanager
-def use_config(forward: TileConfig | None = None, backward: BackwardConfig | None = None):
-    """Force tile configs inside the block (benchmarks/tune_*.py sweep with it)."""
+def use_config(forward: TileConfig | None = None, backward: BackwardConfig | None = None,
+               descriptors: bool | None = None):
+    """Force tile configs, or turn tensor descriptors off, inside the block (benchmarks/tune.py
+    sweeps with it)."""
     saved = dict(_overrides)
-    _overrides.update({k: v for k, v in (("fwd", forward), ("bwd", backward)) if v is not None})
+    _overrides.update({k: v for k, v in (("fwd", forward), ("bwd", backward), ("descriptors", descriptors))
+                       if v is not None})
     try:
         yield
     finally:
@@ -36,6 +39,11 @@ def override_key() -> tuple:
     return tuple(sorted(_overrides.items()))
 
 
+def descriptors_enabled() -> bool:
+    """Whether the forward may load through tensor descriptors (TMA) where the inputs allow."""
+    return _overrides.get("descriptors", True)
+
+
 def forward_config(head_dim: int, device_type: str) -> TileConfig:
     if "fwd" in _overrides:
         return _overrides["fwd"]
@@ -44,8 +52,9 @@ def forward_config(head_dim: int, device_type: str) -> TileConfig:
         # still exercise several tiles per row.
         return TileConfig(32, 32, 4, 1)
     if head_dim <= 128:
-        # Swept on an H100 (benchmarks/NOTES.md): 64×64 tiles with 4 warps beat 128×64 with
-        # 8 warps on causal, sliding window and softcap at D=64 and D=128.
+        # Swept on an H100 (benchmarks/NOTES.md): 64×64 tiles with 4 warps beat 128×64 and
+        # 128×128 with 8 warps on no mask, sliding window and softcap at D=64 and D=128, with
+        # and without tensor descriptors.
         return TileConfig(64, 64, 4, 3)
     return TileConfig(64, 32, 4, 2)
 
