@@ -4,7 +4,8 @@
 
 B=1, H=1, L=128, D=64, bf16. maskc with a cached kernel and block map, beside
 torch.compile(flex_attention) with a prebuilt BlockMask, timed per call by wall clock over
-many back-to-back calls (and by CUDA graph-free do_bench).
+many back-to-back calls (and by CUDA graph-free do_bench). The pointer row shows what the
+tensor descriptors' per-call construction costs (use_config itself adds a few µs).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import triton
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import maskc
+from maskc.runtime.configs import use_config
 
 
 def per_call_us(fn, n=2000) -> float:
@@ -34,8 +36,13 @@ def main():
     bm = create_block_mask(maskc.masks.causal.fn, None, None, 128, 128, device="cuda")
     run_maskc = lambda: maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal)  # noqa: E731
     run_flex = lambda: flex(q, k, v, block_mask=bm)  # noqa: E731
+    def run_pointers():
+        with use_config(descriptors=False):
+            return run_maskc()
+
     rows = []
-    for name, fn in (("maskc", run_maskc), ("flex", run_flex)):
+    for name, fn in (("maskc", run_maskc), ("maskc, pointers (no tensor descriptors)", run_pointers),
+                     ("flex", run_flex)):
         wall = per_call_us(fn)
         dev = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
         rows.append((name, wall, dev))

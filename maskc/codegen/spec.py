@@ -29,6 +29,7 @@ class KernelSpec:
     block_n: int
     num_warps: int
     num_stages: int
+    partial_stages: int  # forward: pipelining depth of the PARTIAL loop
     mask_expr: sympy.Basic | None = field(default=None, compare=False, repr=False)
     score_expr: sympy.Basic | None = field(default=None, compare=False, repr=False)
 

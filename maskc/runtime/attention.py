@@ -12,7 +12,7 @@ from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.build import block_map as build_block_map
 from maskc.codegen.spec import merge
 from maskc.runtime.configs import descriptors_enabled, override_key, padded
-from maskc.runtime.descriptors import descriptors
+from maskc.runtime.descriptors import DESCRIPTOR_MIN_PAIRS, descriptors
 from maskc.runtime.kernel import _DTYPES, CompiledKernel, kernel_for
 from maskc.trace.mods import as_mask_mod, as_score_mod
 
@@ -149,7 +149,7 @@ def forward(q, k, v, problem: Problem):
     d_pad, dv_pad = padded(D), padded(Dv)
     tma = descriptors([(q, (1, 1, spec.block_m, d_pad)), (k, (1, 1, spec.block_n, d_pad)),
                        (v, (1, 1, spec.block_n, dv_pad)), (out, (1, 1, spec.block_m, dv_pad))],
-                      enabled=descriptors_enabled())
+                      enabled=descriptors_enabled() and (problem.interpret or B * Hq * Lq * Lkv >= DESCRIPTOR_MIN_PAIRS))
     fn = problem.kernel.function(problem.interpret)
     fn[(-(-Lq // spec.block_m), B * Hq)](
         *(tma or (q, k, v, out)), lse,
@@ -161,6 +161,7 @@ def forward(q, k, v, problem: Problem):
         K_UNMASKED=even_kv and D == d_pad, V_UNMASKED=even_kv and Dv == dv_pad,
         POSITIVE_SCALE=problem.scale > 0,
         DOT_PRECISION=dot_precision(q.dtype), ACC=triton_dtype(accumulator(q.dtype)), TMA=tma is not None,
+        PARTIAL_STAGES=spec.partial_stages,
         num_warps=spec.num_warps, num_stages=spec.num_stages,
     )
     return out.to(dtype), lse

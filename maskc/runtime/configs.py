@@ -10,6 +10,11 @@ class TileConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+    # Forward only: pipelining depth of the loop over PARTIAL tiles. Their runs are short
+    # (one diagonal tile for causal, a few per document boundary), and a deep pipeline's
+    # set-up per run costs more than it hides: 2 beat 3 on document masks 275 vs 182
+    # TFLOP/s with tensor descriptors, and 1 lost everywhere (benchmarks/NOTES.md).
+    partial_stages: int = 2
 
 
 class BackwardConfig(NamedTuple):

@@ -87,7 +87,8 @@ def kernel_for(kind, mask, score, dtype, head_dim, head_dim_v, gqa, block_size, 
         kind=kind, mask_signature=key[1], score_signature=key[2], tensor_ranks=tuple(t.dim() for t in tensors),
         param_kinds=tuple("i" if isinstance(p.value, int) else "f" for p in params), dtype=dtype_name(dtype),
         head_dim=head_dim, head_dim_v=head_dim_v, gqa=gqa, block_m=config.block_m, block_n=config.block_n,
-        num_warps=config.num_warps, num_stages=config.num_stages, mask_expr=mask_expr, score_expr=score_expr)
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        partial_stages=config.partial_stages, mask_expr=mask_expr, score_expr=score_expr)
     digest = spec.digest(template_hash=template_hash(), versions=f"maskc {__version__} triton {triton.__version__}",
                          arch=arch)
     source, path = KERNELS.source(f"{spec.file_stem}_{digest}", lambda: render(spec))
