@@ -269,14 +269,13 @@ def test_non_contiguous_inputs():
 def test_descriptors_only_where_the_copy_engine_allows():
     x = torch.randn(1, 2, 8, 32, dtype=torch.float16)
     block = (1, 1, 8, 32)
-    assert descriptors([(x, block)], enabled=True) is not None
-    assert descriptors([(x, block)], enabled=False) is None
+    assert descriptors([(x, block)]) is not None
     unaligned_base = torch.randn(2 * 8 * 32 + 1, dtype=torch.float16)[1:].view(1, 2, 8, 32)
     odd_row = torch.randn(1, 2, 8, 20, dtype=torch.float16)  # 40-byte rows
     strided_last = torch.randn(1, 2, 32, 8, dtype=torch.float16).transpose(2, 3)
     broadcast_heads = torch.randn(1, 1, 8, 32, dtype=torch.float16).expand(1, 2, 8, 32)
     for t in (unaligned_base, odd_row, strided_last, broadcast_heads):
-        assert descriptors([(x, block), (t, block)], enabled=True) is None
+        assert descriptors([(x, block), (t, block)]) is None
     for t in (unaligned_base, odd_row, broadcast_heads):  # and the pointer path gets them right
         check(t, t, t, mask_mod=masks.causal)
 

@@ -34,6 +34,7 @@ class Problem:
     given_block_map: bool  # the caller passed block_map=: the backward keeps its tiles
     kernel: CompiledKernel
     extra: list  # captured tensors (pointer, strides, sizes) and parameter values, in kernel order
+    launch: "ForwardLaunch | None" = None  # built by the first forward call
 
     @property
     def mask(self):
@@ -139,32 +140,62 @@ def forward(q, k, v, problem: Problem):
     """(out, lse) from the forward kernel."""
     dtype = q.dtype
     q, k, v = interpreter_safe(q, k, v)
+    launch = problem.launch or _forward_launch(q, k, v, problem)
+    out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(launch.lse_shape, dtype=launch.lse_dtype, device=q.device)
+    tma = None
+    if launch.descriptors and descriptors_enabled():
+        tma = descriptors(list(zip((q, k, v, out), launch.blocks)))
+    launch.fn[launch.grid](
+        *(tma or (q, k, v, out)), lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *launch.args,
+        TMA=tma is not None, **launch.constexprs)
+    return (out if out.dtype == dtype else out.to(dtype)), lse
+
+
+@dataclass(frozen=True)
+class ForwardLaunch:
+    """Everything a forward launch takes besides the tensors and their strides. It is fixed
+    for a Problem (shapes, dtype, device and block map are), so a cached call builds none of it."""
+
+    fn: object
+    grid: tuple
+    out_shape: tuple
+    lse_shape: tuple
+    lse_dtype: torch.dtype
+    args: tuple  # sizes, scale, block-map runs, captured tensors and values
+    constexprs: dict
+    blocks: tuple  # descriptor block shapes of q, k, v, out
+    descriptors: bool  # whether descriptors may pay off here (see DESCRIPTOR_MIN_PAIRS)
+
+
+def _forward_launch(q, k, v, problem: Problem) -> ForwardLaunch:
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     spec, bm = problem.kernel.spec, problem.block_map
-    out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hq, Lq), dtype=accumulator(q.dtype), device=q.device)
     row_b, row_h = bm.kernel_rows(B, Hq)
     even_kv = Lkv % spec.block_n == 0
     d_pad, dv_pad = padded(D), padded(Dv)
-    tma = descriptors([(q, (1, 1, spec.block_m, d_pad)), (k, (1, 1, spec.block_n, d_pad)),
-                       (v, (1, 1, spec.block_n, dv_pad)), (out, (1, 1, spec.block_m, dv_pad))],
-                      enabled=descriptors_enabled() and (problem.interpret or B * Hq * Lq * Lkv >= DESCRIPTOR_MIN_PAIRS))
-    fn = problem.kernel.function(problem.interpret)
-    fn[(-(-Lq // spec.block_m), B * Hq)](
-        *(tma or (q, k, v, out)), lse,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        Hq, Hq // Hkv, Lq, Lkv, problem.scale if problem.score is not None else problem.scale * _LOG2E,
-        bm.full_offsets, bm.full_runs, bm.partial_offsets, bm.partial_runs, row_b, row_h, *problem.extra,
-        HEAD_DIM=D, HEAD_DIM_V=Dv, D_PAD=d_pad, DV_PAD=dv_pad,
-        BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, EVEN_KV=even_kv,
-        K_UNMASKED=even_kv and D == d_pad, V_UNMASKED=even_kv and Dv == dv_pad,
-        POSITIVE_SCALE=problem.scale > 0,
-        DOT_PRECISION=dot_precision(q.dtype), ACC=triton_dtype(accumulator(q.dtype)), TMA=tma is not None,
-        PARTIAL_STAGES=spec.partial_stages,
-        num_warps=spec.num_warps, num_stages=spec.num_stages,
+    problem.launch = ForwardLaunch(
+        fn=problem.kernel.function(problem.interpret),
+        grid=(-(-Lq // spec.block_m), B * Hq),
+        out_shape=(B, Hq, Lq, Dv),
+        lse_shape=(B, Hq, Lq),
+        lse_dtype=accumulator(q.dtype),
+        args=(Hq, Hq // Hkv, Lq, Lkv, problem.scale if problem.score is not None else problem.scale * _LOG2E,
+              bm.full_offsets, bm.full_runs, bm.partial_offsets, bm.partial_runs, row_b, row_h, *problem.extra),
+        constexprs=dict(
+            HEAD_DIM=D, HEAD_DIM_V=Dv, D_PAD=d_pad, DV_PAD=dv_pad,
+            BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, EVEN_KV=even_kv,
+            K_UNMASKED=even_kv and D == d_pad, V_UNMASKED=even_kv and Dv == dv_pad,
+            POSITIVE_SCALE=problem.scale > 0,
+            DOT_PRECISION=dot_precision(q.dtype), ACC=triton_dtype(accumulator(q.dtype)),
+            PARTIAL_STAGES=spec.partial_stages,
+            num_warps=spec.num_warps, num_stages=spec.num_stages),
+        blocks=((1, 1, spec.block_m, d_pad), (1, 1, spec.block_n, d_pad), (1, 1, spec.block_n, dv_pad),
+                (1, 1, spec.block_m, dv_pad)),
+        descriptors=problem.interpret or B * Hq * Lq * Lkv >= DESCRIPTOR_MIN_PAIRS,
     )
-    return out.to(dtype), lse
+    return problem.launch
 
 
 def dot_precision(dtype) -> str:
@@ -181,36 +212,40 @@ def triton_dtype(dtype):
 
 
 def _check_tensors(q, k, v, enable_gqa):
+    # Every call runs this: each attribute is read once (shape and device build new objects).
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions [B, H, L, D], got shape {tuple(t.shape)}; "
                              f"add the missing batch or head dimension with unsqueeze")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them to one")
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"q, k and v must be float16, bfloat16, float32 or float64, got {q.dtype}; cast them")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}; move them")
-    if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"maskc runs on CUDA (compiled) or CPU (interpreted), got tensors on {q.device}")
-    if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}; they must match")
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must have the same length, got {k.shape[2]} and {v.shape[2]}")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[3]} and {k.shape[3]}")
-    hq, hkv = q.shape[1], k.shape[1]
+    qs, ks, vs = q.shape, k.shape, v.shape
+    qt, kt, vt = q.dtype, k.dtype, v.dtype
+    if not (qt == kt == vt):
+        raise TypeError(f"q, k and v must share a dtype, got {qt}, {kt}, {vt}; cast them to one")
+    if qt not in _DTYPES:
+        raise TypeError(f"q, k and v must be float16, bfloat16, float32 or float64, got {qt}; cast them")
+    qd, kd, vd = q.device, k.device, v.device
+    if not (qd == kd == vd):
+        raise ValueError(f"q, k and v must be on one device, got {qd}, {kd}, {vd}; move them")
+    if qd.type not in ("cpu", "cuda"):
+        raise ValueError(f"maskc runs on CUDA (compiled) or CPU (interpreted), got tensors on {qd}")
+    if not (qs[0] == ks[0] == vs[0]):
+        raise ValueError(f"batch sizes differ: q {qs[0]}, k {ks[0]}, v {vs[0]}; they must match")
+    if ks[1] != vs[1]:
+        raise ValueError(f"k and v must have the same number of heads, got {ks[1]} and {vs[1]}")
+    if ks[2] != vs[2]:
+        raise ValueError(f"k and v must have the same length, got {ks[2]} and {vs[2]}")
+    if qs[3] != ks[3]:
+        raise ValueError(f"q and k must have the same head dim, got {qs[3]} and {ks[3]}")
+    hq, hkv = qs[1], ks[1]
     if hq != hkv:
         if hkv == 0 or hq % hkv:
             raise ValueError(f"q has {hq} heads, not a multiple of k's {hkv}; grouped-query attention needs "
                              f"Hq % Hkv == 0")
         if not enable_gqa:
             raise ValueError(f"q has {hq} heads and k has {hkv}; pass enable_gqa=True for grouped-query attention")
-    for name, d in (("q/k", q.shape[3]), ("v", v.shape[3])):
+    for name, d in (("q/k", qs[3]), ("v", vs[3])):
         if not 16 <= d <= 256:
             raise ValueError(f"{name} head dim must be between 16 and 256, got {d}; pad or split the heads")
 

@@ -22,9 +22,9 @@ except ImportError:  # Triton before 3.4 has no host-side descriptors: pointers 
 DESCRIPTOR_MIN_PAIRS = 1 << 27
 
 
-def descriptors(operands, *, enabled: bool):
+def descriptors(operands):
     """One TensorDescriptor per (tensor, block_shape), or None when any of them cannot have one."""
-    if not enabled or TensorDescriptor is None or not _has_copy_engine(operands[0][0].device):
+    if TensorDescriptor is None or not _has_copy_engine(operands[0][0].device):
         return None
     if not all(_fits(t) for t, _ in operands):
         return None
