@@ -1,28 +1,45 @@
 """Time to first result: a new mask with cold caches, then a new process with warm caches.
 
-    python benchmarks/compile_latency.py          # on a GPU machine
+    python benchmarks/compile_latency.py               # on a GPU machine
+    python benchmarks/compile_latency.py --device cpu  # checks the script anywhere; interpreter times
 
-Runs three child processes with fresh MASKC_CACHE_DIR and TRITON_CACHE_DIR:
+Runs four child processes with fresh MASKC_CACHE_DIR and TRITON_CACHE_DIR:
   1. cold: maskc and Triton caches empty; the first call traces, analyses, renders, compiles;
   2. warm: a new process with both caches filled by (1);
-  3. flex: torch.compile(flex_attention) with a new mask, for comparison; then the same
+  3. profile: (2) again with the first call under cProfile, to see where the time goes;
+  4. flex: torch.compile(flex_attention) with a new mask, for comparison; then the same
      mask with a different window, which FlexAttention recompiles and maskc does not.
 Each child prints its own wall-clock times; imports are excluded, CUDA context creation is
 done before timing.
+
+Under each maskc time, a line splits it into the phases of a call, in order: trace,
+kernel_for (the source from memory, disk or rendering), block map, load kernel file (importing
+the generated module; before the first, maskc hands Triton its stored cache key), triton
+launch (Triton's first-call work: specialisation, cache lookup or compile, cubin load, launch),
+and other (checks, allocation, the kernel itself until synchronize). The next line names
+Triton's costly steps wherever they ran: triton_key (Triton hashing its install, 0.3 s, once a
+process unless maskc's stored key is used), compile or cache lookup, launcher build (gcc, once
+a Triton cache) and cubin load; and the garbage collector's time, part of whichever phase it
+interrupted.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 import tempfile
 
 CHILD = r"""
-import time, torch
-torch.ones(1, device="cuda"); torch.cuda.synchronize()
-B, H, L, D = 1, 16, 4096, 128
-q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-which = "{which}"
+import gc, sys, time, torch
+which, device = sys.argv[1], sys.argv[2]
+if device == "cuda":
+    torch.ones(1, device="cuda"); torch.cuda.synchronize()
+    B, H, L, D, dtype = 1, 16, 4096, 128, torch.bfloat16
+else:
+    B, H, L, D, dtype = 1, 1, 128, 32, torch.float32
+sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+q, k, v = (torch.randn(B, H, L, D, device=device, dtype=dtype) for _ in range(3))
 if which == "flex":
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     flex = torch.compile(flex_attention, dynamic=False)
@@ -30,23 +47,96 @@ if which == "flex":
         def mask(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
         t0 = time.perf_counter()
-        bm = create_block_mask(mask, None, None, L, L, device="cuda")
-        flex(q, k, v, block_mask=bm); torch.cuda.synchronize()
-        print(f"flex window={{window}}: first result {{time.perf_counter() - t0:.3f}} s")
-else:
-    import maskc
-    for window in (1000, 1100):
-        def mask(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+        bm = create_block_mask(mask, None, None, L, L, device=device)
+        flex(q, k, v, block_mask=bm); sync()
+        print(f"flex window={window}: first result {time.perf_counter() - t0:.3f} s")
+    sys.exit()
+
+import maskc, triton, triton.compiler, triton.runtime.build, triton.runtime.cache, triton.runtime.jit
+import maskc.runtime.attention, maskc.runtime.loader, maskc.trace.mods
+
+SPENT, GC = {}, {"s": 0.0, "full": 0}
+PHASES = ("trace", "kernel_for", "block map", "load kernel file", "triton launch")
+TRITON_STEPS = ("triton_key", "compile or cache lookup", "launcher build", "cubin load")
+
+
+def timed(label, owner, name):
+    inner = getattr(owner, name, None)
+    if inner is None:
+        return  # this Triton has no such step
+    def wrapper(*args, **kwargs):
         t0 = time.perf_counter()
-        maskc.compiled_attention(q, k, v, mask_mod=mask); torch.cuda.synchronize()
-        print(f"maskc {{which}} window={{window}}: first result {{time.perf_counter() - t0:.3f}} s, "
-              f"{{maskc.cache_info()}}")
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            SPENT[label] = SPENT.get(label, 0.0) + time.perf_counter() - t0
+    setattr(owner, name, wrapper)
+
+
+def on_gc(phase, info):
+    if phase == "start":
+        on_gc.t0 = time.perf_counter()
+    else:
+        GC["s"] += time.perf_counter() - on_gc.t0
+        GC["full"] += info["generation"] == 2
+
+
+def instrument():
+    timed("trace", maskc.trace.mods, "trace")
+    timed("kernel_for", maskc.runtime.attention, "kernel_for")
+    timed("block map", maskc.runtime.attention, "cached_block_map")
+    timed("load kernel file", maskc.runtime.loader, "load")
+    if device == "cuda":
+        timed("triton launch", triton.runtime.jit.JITFunction, "run")
+    else:
+        from triton.runtime.interpreter import InterpretedFunction
+        timed("triton launch", InterpretedFunction, "run")
+    # Older Tritons keep these in other modules: each is timed where this one has it.
+    for owner in (triton.runtime.cache, triton.compiler.compiler):
+        timed("triton_key", owner, "triton_key")
+    timed("compile or cache lookup", triton.compiler, "compile")
+    for owner in (triton.runtime.build, sys.modules.get("triton.backends.nvidia.driver")):
+        timed("launcher build", owner, "_build")
+    timed("cubin load", triton.compiler.compiler.CompiledKernel, "_init_handles")
+    gc.callbacks.append(on_gc)
+
+
+def breakdown(total):
+    ms = lambda label: f"{label} {1e3 * SPENT.get(label, 0.0):.0f}"
+    other = total - sum(SPENT.get(p, 0.0) for p in PHASES)
+    return (f"  phases (ms): {', '.join(map(ms, PHASES))}, other {1e3 * other:.0f}\n"
+            f"  triton steps (ms): {', '.join(map(ms, TRITON_STEPS))}; "
+            f"garbage collection {1e3 * GC['s']:.0f} ({GC['full']} full)")
+
+
+def first_result(window):
+    def mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+    SPENT.clear(); GC.update(s=0.0, full=0)
+    t0 = time.perf_counter()
+    maskc.compiled_attention(q, k, v, mask_mod=mask); sync()
+    return time.perf_counter() - t0
+
+
+if which == "profile":
+    import cProfile, pstats
+    profiler = cProfile.Profile()
+    total = profiler.runcall(first_result, 1000)
+    print(f"maskc warm under cProfile: first result {total:.3f} s; top 20 by cumulative time "
+          f"(profiling inflates Python-heavy steps):")
+    pstats.Stats(profiler, stream=sys.stdout).strip_dirs().sort_stats("cumulative").print_stats(20)
+    sys.exit()
+
+instrument()
+for window in (1000, 1100):
+    total = first_result(window)
+    print(f"maskc {which} window={window}: first result {total:.3f} s, {maskc.cache_info()}")
+    print(breakdown(total))
 """
 
 
-def child(which: str, env: dict) -> None:
-    out = subprocess.run([sys.executable, "-c", CHILD.format(which=which)], env=env, capture_output=True, text=True)
+def child(which: str, env: dict, device: str) -> None:
+    out = subprocess.run([sys.executable, "-c", CHILD, which, device], env=env, capture_output=True, text=True)
     print(out.stdout.strip())
     if out.returncode:
         print(out.stderr[-3000:])
@@ -54,13 +144,17 @@ def child(which: str, env: dict) -> None:
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    device = parser.parse_args().device
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, MASKC_CACHE_DIR=os.path.join(tmp, "maskc"), TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
-        child("cold", env)
-        child("warm", env)
-        env_flex = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
-                        TRITON_CACHE_DIR=os.path.join(tmp, "triton_flex"))
-        child("flex", env_flex)
+        for which in ("cold", "warm", "profile"):
+            child(which, env, device)
+        if device == "cuda":
+            env_flex = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
+                            TRITON_CACHE_DIR=os.path.join(tmp, "triton_flex"))
+            child("flex", env_flex, device)
 
 
 if __name__ == "__main__":

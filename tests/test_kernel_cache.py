@@ -7,12 +7,13 @@ import sys
 
 import pytest
 import torch
+import triton.runtime.cache
 
 import maskc
 import maskc.runtime.attention as attention
 from maskc import masks, scores
 from maskc.codegen.printer import TritonPrinter
-from maskc.runtime import KERNELS
+from maskc.runtime import KERNELS, loader
 from maskc.testing import assert_close_to_reference, attention_reference
 
 
@@ -201,6 +202,51 @@ def test_debug_prints_the_source(monkeypatch, capsys):
     KERNELS.clear()
     _compile(masks.sliding_window(3))
     assert capsys.readouterr().out == ""
+
+
+# -- Triton's own cache key -----------------------------------------------------------------
+@pytest.fixture
+def triton_key(monkeypatch):
+    """Triton's triton_key(), put back after the test (a compiled load hands Triton another)."""
+    computed = triton.runtime.cache.triton_key
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", computed)
+    return computed
+
+
+def _stored_key(cache_dir):
+    return json.loads((cache_dir / "triton_key.json").read_text())["key"]
+
+
+def test_compiled_load_keeps_tritons_key(cache_dir, triton_key):
+    kernel = _compile(masks.causal)
+    loader.load(kernel.path, interpret=False)
+    assert _stored_key(cache_dir) == triton_key()  # the value Triton computes, about 0.3 s
+    assert triton.runtime.cache.triton_key() == triton_key()
+
+
+def test_stored_key_is_handed_to_triton_while_triton_is_unchanged(cache_dir, triton_key):
+    kernel = _compile(masks.causal)
+    (cache_dir / "triton_key.json").write_text(json.dumps({"stamp": loader._triton_stamp(), "key": "stored"}))
+    loader.load(kernel.path, interpret=False)
+    assert triton.runtime.cache.triton_key() == "stored"
+    loader.load(kernel.path, interpret=False)  # handed over once
+    assert triton.runtime.cache.triton_key() == "stored"
+
+
+def test_stored_key_of_another_triton_is_replaced(cache_dir, triton_key):
+    kernel = _compile(masks.causal)
+    stamp = loader._triton_stamp()
+    stamp[1][2] += 1  # a file of Triton changed since the key was stored
+    (cache_dir / "triton_key.json").write_text(json.dumps({"stamp": stamp, "key": "stale"}))
+    loader.load(kernel.path, interpret=False)
+    assert triton.runtime.cache.triton_key() == triton_key() == _stored_key(cache_dir)
+
+
+def test_interpreted_runs_leave_tritons_key_alone(cache_dir, triton_key):
+    q, k, v = _qkv()
+    _run_and_check(q, k, v, mask_mod=masks.causal)
+    assert triton.runtime.cache.triton_key is triton_key
+    assert not (cache_dir / "triton_key.json").exists()
 
 
 # -- block maps -----------------------------------------------------------------------------

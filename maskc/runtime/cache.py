@@ -72,13 +72,13 @@ class SourceCache:
             else:
                 self.misses += 1
                 text = render()
-                _write_atomic(path, text)
+                write_atomic(path, text)
         if debug():
             print(f"# maskc kernel {path}\n{text}")
         return text, path
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
     try:

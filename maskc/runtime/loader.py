@@ -1,16 +1,25 @@
 """Import a generated source file as a module, compiled for CUDA or interpreted for CPU.
 
 Triton picks the interpreter when `@triton.jit` runs with TRITON_INTERPRET=1, so the
-interpreted copy is imported with that variable set; both copies run the same file.
+interpreted copy is imported with that variable set; both copies run the same file. Before
+the first compiled import, Triton is handed its cache key from disk (`triton_key.json` in
+the kernel cache) so that a new process does not hash Triton's install again.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import threading
 from pathlib import Path
 
+import triton
+import triton.runtime.cache
+
+from maskc.runtime.cache import cache_dir, write_atomic
+
 _LOCK = threading.Lock()
+_TRITON_KEY_FILE = "triton_key.json"
 
 
 def load(path: Path, *, interpret: bool):
@@ -18,6 +27,8 @@ def load(path: Path, *, interpret: bool):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     with _LOCK:
+        if not interpret:
+            _remember_triton_key()
         saved = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
         try:
@@ -28,3 +39,52 @@ def load(path: Path, *, interpret: bool):
             else:
                 os.environ["TRITON_INTERPRET"] = saved
     return module
+
+
+def _remember_triton_key() -> None:
+    """NOTE: Triton keys its kernel cache with triton_key(), a hash of its own sources and of
+    the 500 MB libtriton.so that every process computes before its first kernel (0.3 s, a
+    third of a warm start). It changes only when those files do, so maskc keeps it on disk
+    next to the kernels and hands Triton the stored value."""
+    computed = getattr(triton.runtime.cache, "triton_key", None)
+    if computed is None or getattr(computed, "maskc_memo", False):
+        return  # a Triton that keys its cache elsewhere, or already handed over
+    key = _stored_triton_key(computed)
+
+    def memo() -> str:
+        return key
+
+    memo.maskc_memo = True
+    triton.runtime.cache.triton_key = memo
+
+
+def _stored_triton_key(compute) -> str:
+    """The key stored for this Triton install, else `compute()`, stored for the next process."""
+    stamp, path = _triton_stamp(), cache_dir() / _TRITON_KEY_FILE
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    if stored.get("stamp") == stamp and "key" in stored:
+        return stored["key"]
+    key = compute()
+    try:
+        write_atomic(path, json.dumps({"stamp": stamp, "key": key}))
+    except OSError:
+        pass  # a read-only cache still serves its kernels; each process then hashes, as Triton does
+    return key
+
+
+def _triton_stamp() -> list:
+    """Triton's version and the size and time of every file triton_key() can read (its
+    Python sources and shared libraries): any reinstall or edit changes it. About 2 ms."""
+    root = Path(triton.__file__).parent
+    files = [Path(triton.runtime.cache.__file__)]
+    for folder in ("compiler", "backends", "language"):
+        files += sorted((root / folder).rglob("*.py"))
+    files += sorted((root / "_C").glob("*.so"))
+    stamp = [triton.__version__]
+    for f in files:
+        stat = f.stat()
+        stamp.append([str(f), stat.st_size, stat.st_mtime_ns])
+    return stamp
