@@ -3,11 +3,14 @@
     python benchmarks/compile_latency.py               # on a GPU machine
     python benchmarks/compile_latency.py --device cpu  # checks the script anywhere; interpreter times
 
-Runs four child processes with fresh MASKC_CACHE_DIR and TRITON_CACHE_DIR:
-  1. cold: maskc and Triton caches empty; the first call traces, analyses, renders, compiles;
+Runs five child processes with fresh MASKC_CACHE_DIR and TRITON_CACHE_DIR:
+  1. cold: maskc and Triton caches empty; the first call traces, analyses, renders, compiles,
+     and Triton builds its launcher library with gcc (once per Triton cache);
   2. warm: a new process with both caches filled by (1);
   3. profile: (2) again with the first call under cProfile, to see where the time goes;
-  4. flex: torch.compile(flex_attention) with a new mask, for comparison; then the same
+  4. new mask: another mask (prefix-LM) in a new process, with a fresh maskc cache and (1)'s
+     Triton cache: the cost of a mask nobody compiled, on a machine that has run Triton;
+  5. flex: torch.compile(flex_attention) with a new mask, for comparison; then the same
      mask with a different window, which FlexAttention recompiles and maskc does not.
 Each child prints its own wall-clock times; imports are excluded, CUDA context creation is
 done before timing.
@@ -110,8 +113,12 @@ def breakdown(total):
 
 
 def first_result(window):
-    def mask(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+    if which == "new mask":
+        def mask(b, h, q_idx, kv_idx):  # prefix-LM: never compiled in this Triton cache
+            return (q_idx >= kv_idx) | (kv_idx < window)
+    else:
+        def mask(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
     SPENT.clear(); GC.update(s=0.0, full=0)
     t0 = time.perf_counter()
     maskc.compiled_attention(q, k, v, mask_mod=mask); sync()
@@ -151,6 +158,9 @@ def main():
         env = dict(os.environ, MASKC_CACHE_DIR=os.path.join(tmp, "maskc"), TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
         for which in ("cold", "warm", "profile"):
             child(which, env, device)
+        # A new mask on a machine that has run Triton before: its launcher library (gcc, once
+        # per Triton cache) is built, but neither maskc nor Triton has seen this kernel.
+        child("new mask", dict(env, MASKC_CACHE_DIR=os.path.join(tmp, "maskc_new")), device)
         if device == "cuda":
             env_flex = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
                             TRITON_CACHE_DIR=os.path.join(tmp, "triton_flex"))
