@@ -55,7 +55,7 @@ def test_what_sympy_folds_prints_its_folded_form():
     (sympy.Rational(1, 3), "0.3333333333333333"),
     (sympy.Rational(-3, 4), "-0.75"),
     (sympy.Rational(1, 2), "0.5"),
-    (Q_IDX / 2, "(0.5 * q_idx)"),  # true division stays true division
+    (Q_IDX / 2, "(0.5 * q_idx_f)"),  # true division stays true division, over float positions
     (SCORE / 30, "(0.03333333333333333 * score)"),
     (sympy.Float(2.5) * SCORE, "(2.5 * score)"),
     (sympy.Integer(7), "7"),
@@ -75,6 +75,18 @@ def test_what_sympy_folds_prints_its_folded_form():
     (sympy.false, "False"),
 ], ids=str)
 def test_numbers_and_arithmetic(expr, text):
+    assert show(expr) == text
+
+
+# -- positions inside float expressions -----------------------------------------------------
+@pytest.mark.parametrize("expr,text", [
+    (SCORE + (KV_IDX - Q_IDX) * P0_FLOAT, "(score + (p0 * (kv_idx_f + (-1.0 * q_idx_f))))"),  # ALiBi
+    (SCORE - Q_IDX + 3, "(3 + score + (-1.0 * q_idx_f))"),
+    ((Q_IDX - KV_IDX) * 2, "((-2 * kv_idx) + (2 * q_idx))"),  # integer: stays integer
+    ((2 * Q_IDX - KV_IDX) * P0_FLOAT, "(p0 * ((-1 * kv_idx) + (2 * q_idx)))"),  # not ±1: converted by Triton
+    (SCORE * (KV_IDX - 2**25), "(score * (-33554432 + kv_idx))"),  # beyond float32's exact integers
+], ids=str)
+def test_positions_in_float_expressions_are_float_vectors(expr, text):
     assert show(expr) == text
 
 
