@@ -35,8 +35,9 @@ def bench(fn) -> float:
 
 
 def warm_up_gpu(seconds: float = 2.0) -> None:
-    """Keep the GPU busy until its clocks settle, so that the first workload timed is not
-    measured on an idle card (runs on a fresh machine timed its first row up to 10% low)."""
+    """Keep the GPU busy until its clocks settle, so that the first workload is not timed on
+    an idle card (one run's first row, no mask, measured 520 TFLOP/s against 573-580 in
+    other runs; this rules the clocks out as the cause)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
