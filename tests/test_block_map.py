@@ -8,7 +8,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import maskc
 from maskc import masks
-from maskc.analysis import EMPTY, FULL, PARTIAL
+from maskc.analysis import EMPTY, FULL, PARTIAL, build, intervals
 from maskc.analysis.dense import evaluate, symbols_env
 from maskc.testing import (assert_block_map_exact, assert_block_map_sound, attention_reference, dense_mask,
                            dense_tiles)
@@ -239,3 +239,30 @@ def test_million_token_sliding_window():
     # rows past the start: the diagonal and the window's far edge are partial, k - 1 tiles between are full
     assert bm.num_partial == 2 * n - k
     assert bm.num_full == k * (k - 1) // 2 + (k - 1) * (n - k)
+
+
+def test_later_builds_at_other_lengths_and_values_do_no_sympy_work():
+    maskc.block_map(masks.and_masks(masks.sliding_window(100), masks.prefix_lm(30)), 1000, 1000)
+    caches = (build._kv_linear, build._negated, build._reads_kv, intervals._affine_form)
+    misses = [c.cache_info().misses for c in caches]
+    maskc.block_map(masks.and_masks(masks.sliding_window(700), masks.prefix_lm(50)), 3000, 2000, block_size=(64, 32))
+    assert [c.cache_info().misses for c in caches] == misses
+
+
+# -- devices ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("mask", [masks.causal, masks.sliding_window(300), masks.not_mask(masks.sliding_window(300))])
+def test_threshold_masks_are_analysed_on_the_host_for_another_device(mask):
+    # On a GPU every small step of the analysis would be a kernel launch: the host takes them and
+    # only the finished tables cross. A meta target holds no data, so nothing else can have run there.
+    here = maskc.block_map(mask, 4096, 4000, block_size=(128, 64))
+    there = maskc.block_map(mask, 4096, 4000, block_size=(128, 64), device="meta")
+    assert there.device == torch.device("meta") and there.shape == here.shape
+    for name in ("full_offsets", "full_runs", "partial_offsets", "partial_runs"):
+        assert getattr(there, name).shape == getattr(here, name).shape
+
+
+def test_per_tile_verdicts_and_captured_tensors_stay_on_the_target_device():
+    cuda = torch.device("cuda", 0)
+    for mask in (masks.chunked_causal(256), masks.document(torch.zeros(64, dtype=torch.int64))):
+        assert build._work_device(mask.traced, cuda) == cuda
+    assert build._work_device(masks.causal.traced, cuda) == torch.device("cpu")

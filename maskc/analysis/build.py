@@ -8,6 +8,8 @@ settled by evaluating the mask on those tiles alone.
 """
 from __future__ import annotations
 
+import functools
+
 import sympy
 import torch
 
@@ -16,7 +18,7 @@ from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.classify import EMPTY, FULL, PARTIAL, classify_grid
 from maskc.analysis.intervals import Interval, IntervalEvaluator, TensorSummaries, _Undecidable
 from maskc.analysis._shapes import broadcast
-from maskc.analysis.pieces import OPS, Pieces, compress
+from maskc.analysis.pieces import OPS, Pieces, pack
 from maskc.trace import symbols as S
 from maskc.trace.mods import as_mask_mod
 
@@ -40,7 +42,7 @@ def block_map(mask_mod, q_len: int, kv_len: int, *, block_size=(128, 128), B: in
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}; pass the sequence length")
     traced = mm.traced
-    free = traced.expr.free_symbols
+    free = _free_symbols(traced.expr)
     n_b = _dim(mm, free, S.B, B, "B", "batch size")
     n_h = _dim(mm, free, S.H, H, "H", "number of query heads")
     device = _normalise(torch.device(device) if device is not None else _tensor_device(traced.tensors))
@@ -48,10 +50,22 @@ def block_map(mask_mod, q_len: int, kv_len: int, *, block_size=(128, 128), B: in
         if t.device != device:
             raise ValueError(f"mask_mod '{mm.__name__}' captured tensor #{i} on {t.device} but the block map is "
                              f"built on {device}; move the tensor or pass device={t.device}")
-    ctx = _Analysis(traced, q_len, kv_len, bm, bn, n_b, n_h, device)
+    work = _work_device(traced, device)
+    ctx = _Analysis(traced, traced.param_values(), q_len, kv_len, bm, bn, n_b, n_h, work, device)
     pieces = ctx.pieces(traced.expr)
     pieces = ctx.settle(pieces.expand(broadcast(pieces.starts.shape[:3], (1, 1, ctx.n_q))))
-    return BlockMap(pieces, q_len=q_len, kv_len=kv_len, block_size=block_size, mask_name=mm.__name__, mask_mod=mm)
+    bmap = BlockMap(pieces, q_len=q_len, kv_len=kv_len, block_size=block_size, mask_name=mm.__name__, mask_mod=mm)
+    return bmap.to(device)
+
+
+def _work_device(traced, target: torch.device) -> torch.device:
+    """Where the analysis runs. A mask made of thresholds along kv (causal, sliding window,
+    prefix-LM) costs O(rows) in a few dozen tiny tensor steps: on a GPU each would be a
+    kernel launch and each count a host sync, so the host runs them and the finished map
+    crosses in one copy. Captured tensors and per-tile verdicts stay on the target device."""
+    if target.type == "cpu" or traced.tensors or not _row_wise(traced.expr):
+        return target
+    return torch.device("cpu")
 
 
 def _block_size(block_size) -> tuple[int, int]:
@@ -84,38 +98,42 @@ def _tensor_device(tensors):
 
 
 class _Analysis:
-    def __init__(self, traced, q_len, kv_len, bm, bn, n_b, n_h, device):
-        self.traced = traced
+    """One build: frames of tile bounds on the work device, verdicts as row pieces."""
+
+    def __init__(self, traced, values, q_len, kv_len, bm, bn, n_b, n_h, device, target):
+        self.traced, self.values = traced, values
         self.q_len, self.kv_len, self.bm, self.bn = q_len, kv_len, bm, bn
         self.n_b, self.n_h = n_b, n_h
         self.n_q, self.n_kv = -(-q_len // bm), -(-kv_len // bn)
-        self.device = device
-        self.values = traced.param_values()
+        self.device, self.target = device, target
         self.summaries = TensorSummaries(traced.tensors, device)
-        ar = lambda n: torch.arange(n, device=device, dtype=torch.int64)  # noqa: E731
-        q_lo = ar(self.n_q) * bm
-        q_hi = torch.clamp(q_lo + bm, max=q_len) - 1
-        kv_lo = ar(self.n_kv) * bn
-        kv_hi = torch.clamp(kv_lo + bn, max=kv_len) - 1
-        b = ar(n_b).view(-1, 1, 1, 1)
-        h = ar(n_h).view(1, -1, 1, 1)
-        self.row_frame = {
-            S.B: Interval(b, b, True, True, frozenset([S.B])),
-            S.H: Interval(h, h, True, True, frozenset([S.H])),
-            S.Q_IDX: Interval(q_lo.view(1, 1, -1, 1), q_hi.view(1, 1, -1, 1), True, True, frozenset([S.Q_IDX])),
-        }
-        self.tile_frame = dict(self.row_frame)
-        self.tile_frame[S.KV_IDX] = Interval(kv_lo.view(1, 1, 1, -1), kv_hi.view(1, 1, 1, -1), True, True,
-                                             frozenset([S.KV_IDX]))
 
-    def evaluator(self, frame) -> IntervalEvaluator:
+    @functools.cached_property
+    def rows(self) -> IntervalEvaluator:
+        """Ranges over each q-tile row (b, h and q_idx bound; kv_idx free)."""
+        frame = {S.Q_IDX: self._bounds(S.Q_IDX, self.n_q, self.bm, self.q_len, (1, 1, -1, 1))}
+        for symbol, n, shape in ((S.B, self.n_b, (-1, 1, 1, 1)), (S.H, self.n_h, (1, -1, 1, 1))):
+            if symbol in _free_symbols(self.traced.expr):
+                index = torch.arange(n, device=self.device).view(shape)
+                frame[symbol] = Interval(index, index, True, True, frozenset([symbol]))
         return IntervalEvaluator(frame, self.values, self.summaries, self.device)
+
+    @functools.cached_property
+    def tiles(self) -> IntervalEvaluator:
+        """Ranges over each tile."""
+        frame = dict(self.rows.frame)
+        frame[S.KV_IDX] = self._bounds(S.KV_IDX, self.n_kv, self.bn, self.kv_len, (1, 1, 1, -1))
+        return IntervalEvaluator(frame, self.values, self.summaries, self.device)
+
+    def _bounds(self, symbol, n, size, length, shape) -> Interval:
+        lo = torch.arange(0, n * size, size, device=self.device)
+        hi = (lo + (size - 1)).clamp_(max=length - 1)
+        return Interval(lo.view(shape), hi.view(shape), True, True, frozenset([symbol]))
 
     # -- boolean structure --------------------------------------------------------------------
     def pieces(self, e) -> Pieces:
         if e is sympy.true or e is sympy.false:
-            return self._uniform(torch.tensor(FULL if e is sympy.true else EMPTY, dtype=torch.int8),
-                                 torch.tensor(True))
+            return self._uniform(_keys((FULL if e is sympy.true else EMPTY,), True, self.device))
         if isinstance(e, (sympy.And, sympy.Or, sympy.Xor)):
             op = OPS[type(e).__name__.lower()]
             parts = [self.pieces(a) for a in e.args]
@@ -125,71 +143,63 @@ class _Analysis:
             return out
         if isinstance(e, sympy.Not):
             return self.pieces(e.args[0]).negate()
-        if S.KV_IDX not in e.free_symbols:
-            return self._uniform(*classify_grid(e, self.evaluator(self.row_frame)))
+        if not _reads_kv(e):
+            return self._uniform(pack(*classify_grid(e, self.rows)))
         threshold = self._threshold(e)
         if threshold is not None:
             return threshold
-        cls, certain = classify_grid(e, self.evaluator(self.tile_frame))
+        cls, certain = classify_grid(e, self.tiles)
         shape = broadcast(cls.shape, (1, 1, self.n_q, self.n_kv))
         return Pieces.from_grid(cls.expand(shape), certain.expand(shape), shape[:3])
 
-    def _uniform(self, cls, certain) -> Pieces:
+    def _uniform(self, key) -> Pieces:
         """One piece per row: a verdict that does not depend on kv_idx."""
-        cls, certain = cls.to(self.device), certain.to(self.device)
-        shape = broadcast(cls.shape, (1, 1, 1, 1))
-        cls, certain = cls.expand(shape), certain.expand(shape)
-        return Pieces(torch.zeros(shape, dtype=torch.int64, device=self.device), cls, certain, self.n_kv)
+        shape = broadcast(key.shape, (1, 1, 1, 1))
+        return Pieces(torch.zeros(shape, dtype=torch.int64, device=self.device), key.expand(shape), self.n_kv)
 
     # -- comparisons linear in kv_idx: thresholds per row ----------------------------------
     def _threshold(self, rel):
-        if not isinstance(rel, sympy.GreaterThan):
+        form = _threshold_form(rel, self.values)
+        if form is None:
             return None
-        diff = rel.lhs - rel.rhs
-        if not diff.is_integer:
-            return None
-        rest, kv_part = diff.as_independent(S.KV_IDX, as_Add=True)
-        a = sympy.simplify(kv_part / S.KV_IDX).xreplace({k: sympy.sympify(v) for k, v in self.values.items()})
-        if not a.is_Integer or a == 0 or S.KV_IDX in rest.free_symbols:
-            return None
+        a, bound = form
         try:
-            r = self.evaluator(self.row_frame).run(rest)
+            r = self.rows.run(bound)
         except _Undecidable:
             return None
         if r.lo.dtype != torch.int64:
             return None
-        a = int(a)
         shape = broadcast(r.lo.shape, (1, 1, 1, 1))
-        r_lo, r_hi = r.lo.expand(shape)[..., 0], r.hi.expand(shape)[..., 0]
+        lo, hi = r.lo.expand(shape)[..., 0], r.hi.expand(shape)[..., 0]
         if a > 0:
-            first_kept = _ceildiv(-r_hi, a)  # smallest kv kept by some q of the row
-            first_all = _ceildiv(-r_lo, a)  # smallest kv kept by every q of the row
-            nonempty_from = torch.where(first_kept > self.kv_len - 1, self.n_kv,
-                                        torch.div(first_kept, self.bn, rounding_mode="floor").clamp(0, self.n_kv))
-            full_from = torch.maximum(_ceildiv(first_all, self.bn).clamp(0, self.n_kv), nonempty_from)
-            starts = torch.stack([torch.zeros_like(full_from), nonempty_from, full_from], -1)
-            order = (EMPTY, PARTIAL, FULL)
+            # kv kept from ceil(bound / a): by some q of the row from the lowest bound, by all from the highest
+            nonempty_from = self._tile_at(_ceildiv(lo, a))
+            full_from = torch.maximum(self._tiles_before(_ceildiv(hi, a)), nonempty_from)
+            bounds, order = (nonempty_from, full_from), (EMPTY, PARTIAL, FULL)
         else:
-            c = -a
-            last_all = torch.div(r_lo, c, rounding_mode="floor")  # largest kv kept by every q
-            last_kept = torch.div(r_hi, c, rounding_mode="floor")  # largest kv kept by some q
-            full_to = torch.where(last_all >= self.kv_len - 1, self.n_kv,
-                                  torch.div(last_all + 1, self.bn, rounding_mode="floor").clamp(0, self.n_kv))
-            nonempty_to = (torch.div(last_kept, self.bn, rounding_mode="floor") + 1).clamp(0, self.n_kv)
-            full_to = torch.minimum(full_to, nonempty_to)
-            starts = torch.stack([torch.zeros_like(full_to), full_to, nonempty_to], -1)
-            order = (FULL, PARTIAL, EMPTY)
-        cls = torch.tensor(order, dtype=torch.int8, device=self.device).expand(starts.shape)
-        certain = torch.full(starts.shape, r.tight, dtype=torch.bool, device=self.device)
-        return compress(starts.contiguous(), cls, certain, self.n_kv)
+            # kv kept up to floor(bound / -a): by some q up to the highest bound, by all up to the lowest
+            nonempty_to = self._tiles_before(_floordiv(hi, -a) + 1)
+            full_to = torch.minimum(self._tile_at(_floordiv(lo, -a) + 1), nonempty_to)
+            bounds, order = (full_to, nonempty_to), (FULL, PARTIAL, EMPTY)
+        starts = torch.stack([torch.zeros_like(bounds[0]), *bounds], dim=-1)
+        return Pieces(starts, _keys(order, r.tight, self.device).expand(starts.shape), self.n_kv)
+
+    def _tile_at(self, kv):
+        """The tile holding kv position `kv`: 0 before the first, n_kv past the last. It is
+        also how many tiles lie wholly before `kv`."""
+        return _floordiv(kv.clamp(min=0), self.bn).masked_fill_(kv >= self.kv_len, self.n_kv)
+
+    def _tiles_before(self, kv):
+        """How many tiles start before kv position `kv`."""
+        return _floordiv(kv + (self.bn - 1), self.bn).clamp_(0, self.n_kv)
 
     # -- dense settling of uncertain tiles ----------------------------------------------------
     def settle(self, pieces: Pieces) -> Pieces:
-        if not bool(((pieces.cls == PARTIAL) & ~pieces.certain).any()):
+        """Evaluate the mask on the tiles whose verdict is unsure; dense work runs on the target."""
+        if not pieces.unsure():
             return pieces
         shape = (self.n_b, self.n_h, self.n_q, self.n_kv)
-        cls, certain = pieces.expand(shape[:3]).to_grid()
-        cls = cls.clone()
+        cls, certain = pieces.to(self.target).expand(shape[:3]).to_grid()
         todo = ((cls == PARTIAL) & ~certain).nonzero()
         per_chunk = max(1, _SETTLE_CHUNK // (self.bm * self.bn))
         for chunk in todo.split(per_chunk):
@@ -198,19 +208,87 @@ class _Analysis:
 
     def _dense_verdict(self, tiles):
         b, h, i, j = (t.view(-1, 1, 1) for t in tiles.T)
-        q = i * self.bm + torch.arange(self.bm, device=self.device).view(1, -1, 1)
-        kv = j * self.bn + torch.arange(self.bn, device=self.device).view(1, 1, -1)
+        q = i * self.bm + torch.arange(self.bm, device=self.target).view(1, -1, 1)
+        kv = j * self.bn + torch.arange(self.bn, device=self.target).view(1, 1, -1)
         valid = (q < self.q_len) & (kv < self.kv_len)
         env = dense.symbols_env(b, h, q.clamp(max=self.q_len - 1), kv.clamp(max=self.kv_len - 1))
         keep = dense.evaluate(self.traced.expr, env, self.traced.tensors, self.values)
         keep = keep.expand(valid.shape) & valid
         any_kept = keep.any(-1).any(-1)
         all_kept = (keep | ~valid).all(-1).all(-1)
-        out = torch.full(any_kept.shape, PARTIAL, dtype=torch.int8, device=self.device)
+        out = torch.full(any_kept.shape, PARTIAL, dtype=torch.int8, device=self.target)
         out[all_kept] = FULL
         out[~any_kept] = EMPTY
         return out
 
 
+# -- sympy work, cached per expression and independent of parameter values: a mask is analysed
+# at many lengths, tile sizes and parameter values, and this costs more than the tensor steps --
+@functools.lru_cache(maxsize=1024)
+def _free_symbols(e) -> frozenset:
+    return frozenset(e.free_symbols)
+
+
+@functools.lru_cache(maxsize=1024)
+def _reads_kv(e) -> bool:
+    return S.KV_IDX in e.free_symbols
+
+
+@functools.lru_cache(maxsize=1024)
+def _kv_linear(rel):
+    """(a, rest) when rel is a*kv_idx + rest >= 0 over the integers, rest free of kv_idx; else None."""
+    if not isinstance(rel, sympy.GreaterThan):
+        return None
+    diff = rel.lhs - rel.rhs
+    if not diff.is_integer:
+        return None
+    rest, kv_part = diff.as_independent(S.KV_IDX, as_Add=True)
+    if S.KV_IDX in rest.free_symbols:
+        return None
+    return sympy.simplify(kv_part / S.KV_IDX), rest
+
+
+@functools.lru_cache(maxsize=1024)
+def _negated(e):
+    return -e
+
+
+def _threshold_form(rel, values):
+    """(a, bound) when rel keeps kv_idx >= bound / a (a > 0) or kv_idx <= bound / -a (a < 0),
+    a a nonzero int and bound free of kv_idx; else None."""
+    form = _kv_linear(rel)
+    if form is None:
+        return None
+    a, rest = form
+    if not a.is_Integer:  # a parameter's value, or not a number at all
+        a = a.xreplace({s: sympy.sympify(v) for s, v in values.items()})
+    if not a.is_Integer or a == 0:
+        return None
+    a = int(a)
+    return a, (_negated(rest) if a > 0 else rest)
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_wise(e) -> bool:
+    """Whether every comparison in e is decided per row: free of kv_idx, or a threshold along
+    it with a constant integer coefficient."""
+    if e is sympy.true or e is sympy.false:
+        return True
+    if isinstance(e, (sympy.And, sympy.Or, sympy.Xor, sympy.Not)):
+        return all(_row_wise(a) for a in e.args)
+    form = _kv_linear(e)
+    return not _reads_kv(e) or (form is not None and form[0].is_Integer and form[0] != 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _keys(verdicts: tuple, certain: bool, device) -> torch.Tensor:
+    """The keys of a fixed sequence of verdicts, made once per device."""
+    return torch.tensor([v * 2 + certain for v in verdicts], dtype=torch.int64, device=device)
+
+
+def _floordiv(x, d):
+    return x if d == 1 else torch.div(x, d, rounding_mode="floor")
+
+
 def _ceildiv(x, d):
-    return -torch.div(-x, d, rounding_mode="floor")
+    return x if d == 1 else _floordiv(x + (d - 1), d)

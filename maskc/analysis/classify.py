@@ -7,6 +7,8 @@ evaluation of that tile alone.
 """
 from __future__ import annotations
 
+import functools
+
 import sympy
 import torch
 
@@ -81,15 +83,20 @@ def classify_grid(expr, evaluator: IntervalEvaluator):
     if isinstance(expr, sympy.Not):
         return combine_not(classify_grid(expr.args[0], evaluator))
     if isinstance(expr, sympy.core.relational.Relational):
-        diff = expr.lhs - expr.rhs
         try:
-            iv = evaluator.run(diff)
+            iv = evaluator.run(_difference(expr))
         except _Undecidable:
             shape = broadcast(*(f.lo.shape for f in evaluator.frame.values()))
             return (torch.full(shape, PARTIAL, dtype=torch.int8, device=evaluator.device),
                     torch.zeros(shape, dtype=torch.bool, device=evaluator.device))
         return relation(expr, iv)
     raise ValueError(f"cannot classify {type(expr).__name__} ({expr}); expected a boolean expression")
+
+
+@functools.lru_cache(maxsize=1024)
+def _difference(rel):
+    """lhs - rhs, built once per relation: sympy arithmetic costs more than the tensor work."""
+    return rel.lhs - rel.rhs
 
 
 def _fold(op, verdicts):

@@ -7,7 +7,10 @@ facts used to decide when a PARTIAL verdict is certain rather than merely safe:
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import sympy
 import torch
@@ -65,29 +68,26 @@ class IntervalEvaluator:
 
     # -- exact for affine expressions: the extremes sit at the tile corners -----------------
     def _affine(self, e):
-        syms = [s for s in INDEX_SYMBOLS if s in e.free_symbols]
-        if not syms or not (e.free_symbols - set(syms)) <= set(self.values):
+        form = _affine_form(e)
+        if form is None or not form.params <= self.values.keys():
             return None
-        if e.atoms(sympy.Function) or not e.is_polynomial(*syms):
-            return None
-        poly = sympy.Poly(e.xreplace({k: sympy.sympify(v) for k, v in self.values.items()}), *syms)
-        if poly.total_degree() > 1:
-            return None
-        coeffs = poly.as_expr().as_coefficients_dict()
-        const = coeffs.get(sympy.Integer(1), 0)
-        lo = hi = _scalar(const, self.device)
-        unit = True
-        for s in syms:
-            c = coeffs.get(s, 0)
-            if c == 0:
-                continue
-            unit = unit and abs(c) == 1
+        const = _value(form.const, self.values)
+        terms = [(s, c) for s, c in ((s, _value(c, self.values)) for s, c in form.terms) if c != 0]
+        lo = hi = None
+        for s, c in terms:
             iv = self.frame[s]
-            c = _number(c)
-            a, b = iv.lo * c, iv.hi * c
-            lo, hi = lo + torch.minimum(a, b), hi + torch.maximum(a, b)
-        integer = all(_number(v) == int(_number(v)) for v in coeffs.values())
-        return Interval(lo, hi, True, unit and integer, frozenset(syms))
+            low, high = (iv.lo, iv.hi) if c > 0 else (iv.hi, iv.lo)
+            low, high = (low, high) if c == 1 and type(c) is int else (low * c, high * c)
+            lo, hi = (low, high) if lo is None else (lo + low, hi + high)
+        if lo is None:
+            lo = hi = _scalar(const, self.device)
+        elif const != 0:
+            # a float constant joins as a float64 tensor, as a float coefficient's product does
+            c = _scalar(const, self.device) if isinstance(const, float) else const
+            lo, hi = lo + c, hi + c
+        unit = all(abs(c) == 1 for _, c in terms)
+        integer = all(c == int(c) for c in (const, *(c for _, c in terms)))
+        return Interval(lo, hi, True, unit and integer, form.syms)
 
     def _unknown(self, e):
         raise _Undecidable(e)
@@ -120,7 +120,7 @@ class IntervalEvaluator:
         return self._unknown(e)
 
     def _floor(self, e):
-        num, den = sympy.fraction(sympy.together(e.args[0]))
+        num, den = _fraction(e.args[0])
         den_iv = self.run(den)
         if den != 1 and den_iv.lo.dim() == 0 and bool(den_iv.lo == den_iv.hi) and den_iv.lo.dtype == torch.int64:
             d = int(den_iv.lo)
@@ -189,6 +189,56 @@ class IntervalEvaluator:
         last = index[-1] if index else None
         tight = last is None or (last.tight and last.dense and all(bool((i.lo == i.hi).all()) for i in index[:-1]))
         return Interval(lo, hi, tight, isinstance(e, LoadBool), _vars(index))
+
+
+class _AffineForm(NamedTuple):
+    const: object  # a number, or a sympy expression of the parameters
+    terms: tuple  # (index symbol, coefficient as const) for each index symbol of e
+    syms: frozenset  # the index symbols
+    params: frozenset  # the other symbols, which the parameters must give values to
+
+
+@functools.lru_cache(maxsize=1024)
+def _affine_form(e) -> _AffineForm | None:
+    """e as constant + Σ coefficient × index symbol, when it has that form, else None.
+    Cached, and independent of parameter values: the sympy work costs more than the tensor
+    arithmetic it sets up, and a mask is analysed at many lengths and parameter values."""
+    syms = [s for s in INDEX_SYMBOLS if s in e.free_symbols]
+    if not syms or e.atoms(sympy.Function) or not e.is_polynomial(*syms):
+        return None
+    poly = sympy.Poly(e, *syms)
+    if poly.total_degree() > 1:
+        return None
+    terms = tuple((s, _stored(poly.coeff_monomial(s))) for s in syms)
+    return _AffineForm(_stored(poly.coeff_monomial(1)), terms, frozenset(syms), frozenset(e.free_symbols - set(syms)))
+
+
+def _stored(c):
+    """A coefficient as kept in an _AffineForm: a Python number when it is one."""
+    return _number(c) if c.is_Number else c
+
+
+def _value(c, values: dict):
+    """The value of a coefficient: a number, or a sympy expression of the parameters. Integer
+    sums and products of parameters (sliding_window's bound, q_idx - p0) are worked out here,
+    anything else by sympy."""
+    if not isinstance(c, sympy.Basic):
+        return c
+    if c.is_Symbol and c in values:
+        return values[c]
+    if c.is_Integer:
+        return int(c)
+    if c.is_Add or c.is_Mul:
+        parts = [_value(a, values) for a in c.args]
+        if all(type(p) is int for p in parts):
+            return sum(parts) if c.is_Add else math.prod(parts)
+    return _number(c.xreplace({k: sympy.sympify(v) for k, v in values.items()}))
+
+
+@functools.lru_cache(maxsize=1024)
+def _fraction(e):
+    """Numerator and denominator of e, found once per expression."""
+    return sympy.fraction(sympy.together(e))
 
 
 class _Undecidable(Exception):

@@ -1,25 +1,41 @@
 """Row-wise piecewise verdicts: per q-tile row, runs of kv tiles sharing one verdict.
 
-`Pieces.starts[..., p]` is the first kv tile of piece p (sorted; padding pieces start at
-n_kv and are empty); `cls` and `certain` are its verdict. A band-shaped mask has a few
-pieces per row whatever the length, so building, combining and storing it costs
-O(rows), not O(tiles).
+`Pieces.starts[..., p]` is the first kv tile of piece p, sorted; piece p ends where piece
+p + 1 starts (the last one at n_kv), so equal neighbouring starts make empty pieces, which
+mean nothing. `key` packs each verdict with its certainty (`verdict * 2 + certain`) so that
+combining two verdicts is one lookup in a table built from the rules of classify.py. A
+band-shaped mask has a few pieces per row whatever the length, so building, combining and
+storing it costs O(rows), not O(tiles).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from maskc.analysis._shapes import broadcast
-from maskc.analysis.classify import combine_and, combine_not, combine_or, combine_xor
+from maskc.analysis.classify import PARTIAL, combine_and, combine_not, combine_or, combine_xor
+
+N_KEYS = 6  # 3 verdicts × certain or not
+UNSURE = PARTIAL * 2  # the key of a PARTIAL piece that dense evaluation must settle
+
+
+def pack(cls: torch.Tensor, certain: torch.Tensor) -> torch.Tensor:
+    """Verdict and certainty as one key; int64 so that it indexes the tables directly."""
+    return cls.long() * 2 + certain
+
+
+def unpack(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(verdict int8, certain bool) of keys."""
+    return (key >> 1).to(torch.int8), (key & 1).bool()
 
 
 @dataclass
 class Pieces:
     starts: torch.Tensor  # int64 [B', H', n_q, P]
-    cls: torch.Tensor  # int8  [B', H', n_q, P]
-    certain: torch.Tensor  # bool [B', H', n_q, P]
+    key: torch.Tensor  # int64 [B', H', n_q, P]: verdict * 2 + certain
     n_kv: int
 
     @staticmethod
@@ -27,61 +43,86 @@ class Pieces:
         """Compress a per-tile verdict [..., n_kv] into runs."""
         n_kv = cls.shape[-1]
         shape = (*rows_shape, n_kv)
-        cls, certain = cls.expand(shape), certain.expand(shape)
         starts = torch.arange(n_kv, device=cls.device).expand(shape)
-        return compress(starts, cls, certain, n_kv)
+        return compress(starts, pack(cls, certain).expand(shape), n_kv)
+
+    @property
+    def verdict(self) -> torch.Tensor:
+        """EMPTY, PARTIAL or FULL per piece (int64), without the certainty."""
+        return self.key >> 1
+
+    @functools.cached_property
+    def ends(self) -> torch.Tensor:
+        return F.pad(self.starts[..., 1:], (0, 1), value=self.n_kv)
+
+    @functools.cached_property
+    def live(self) -> torch.Tensor:
+        """Which pieces cover at least one tile."""
+        return self.starts < self.ends
 
     def to_grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         tiles = torch.arange(self.n_kv, device=self.starts.device).expand(*self.starts.shape[:-1], self.n_kv)
         which = torch.searchsorted(self.starts.contiguous(), tiles.contiguous(), right=True) - 1
-        return self.cls.gather(-1, which), self.certain.gather(-1, which)
+        return unpack(self.key.gather(-1, which))
 
-    def ends(self) -> torch.Tensor:
-        pad = torch.full_like(self.starts[..., :1], self.n_kv)
-        return torch.cat([self.starts[..., 1:], pad], dim=-1)
+    def unsure(self) -> bool:
+        """Whether some nonempty piece is a PARTIAL verdict still to be settled."""
+        return bool(((self.key == UNSURE) & self.live).any())
 
     def combine(self, other: "Pieces", op) -> "Pieces":
         shape = broadcast(self.starts.shape[:-1], other.starts.shape[:-1])
         a, b = self.expand(shape), other.expand(shape)
-        starts = torch.sort(torch.cat([a.starts, b.starts], dim=-1), dim=-1).values
-        va, vb = a.at(starts), b.at(starts)
-        cls, certain = op(va, vb)
-        return compress(starts, cls, certain, self.n_kv)
+        starts, origin = torch.sort(torch.cat([a.starts, b.starts], dim=-1), dim=-1)
+        # Counting each side's pieces merged so far finds the one covering each merged piece:
+        # the last of them. Where starts tie the count can fall short, but only for merged
+        # pieces that are empty.
+        seen_a = (origin < a.starts.shape[-1]).cumsum(-1)
+        in_a = (seen_a - 1).clamp_(min=0)
+        in_b = (torch.arange(starts.shape[-1], device=starts.device) - seen_a).clamp_(min=0)
+        pairs = a.key.gather(-1, in_a) * N_KEYS + b.key.gather(-1, in_b)
+        return compress(starts, _lookup(_table(op, starts.device), pairs), self.n_kv)
 
     def negate(self) -> "Pieces":
-        cls, certain = combine_not((self.cls, self.certain))
-        return Pieces(self.starts, cls, certain, self.n_kv)
+        return Pieces(self.starts, _lookup(_table(combine_not, self.key.device), self.key), self.n_kv)
 
     def expand(self, rows_shape) -> "Pieces":
         shape = (*rows_shape, self.starts.shape[-1])
-        return Pieces(self.starts.expand(shape), self.cls.expand(shape), self.certain.expand(shape), self.n_kv)
+        return Pieces(self.starts.expand(shape), self.key.expand(shape), self.n_kv)
 
-    def at(self, positions: torch.Tensor):
-        """The verdict covering each kv tile in `positions` (same leading shape)."""
-        which = torch.searchsorted(self.starts.contiguous(), positions.contiguous(), right=True) - 1
-        which = which.clamp(min=0)
-        return self.cls.gather(-1, which), self.certain.gather(-1, which)
+    def to(self, device) -> "Pieces":
+        return Pieces(self.starts.to(device), self.key.to(device), self.n_kv)
 
 
 OPS = {"and": combine_and, "or": combine_or, "xor": combine_xor}
 
 
+@functools.lru_cache(maxsize=None)
+def _table(op, device) -> torch.Tensor:
+    """op applied to every key (combine_not) or pair of keys (indexed by key_a * N_KEYS + key_b)."""
+    keys = torch.arange(N_KEYS)
+    if op is combine_not:
+        return pack(*op(unpack(keys))).to(device)
+    return pack(*op(unpack(keys.repeat_interleave(N_KEYS)), unpack(keys.repeat(N_KEYS)))).to(device)
 
-def compress(starts, cls, certain, n_kv) -> Pieces:
-    """Merge neighbouring pieces with the same verdict and drop the empty ones."""
-    key = cls.to(torch.int16) * 2 + certain.to(torch.int16)
-    # Among pieces with the same start all but the last are empty: the last one covers it.
+
+def _lookup(table, index):
+    # index_select is several times faster than table[index] on the host for small tables
+    return table.index_select(0, index.reshape(-1)).view(index.shape)
+
+
+def compress(starts, key, n_kv) -> Pieces:
+    """Drop the empty pieces and merge neighbours with the same key: the fewest pieces per row."""
     starts = starts.contiguous()
-    last = torch.searchsorted(starts, starts, right=True) - 1
-    key = key.gather(-1, last)
-    changed = torch.ones_like(key, dtype=torch.bool)
-    changed[..., 1:] = key[..., 1:] != key[..., :-1]
-    boundary = changed & (starts < n_kv)
-    count = int(boundary.sum(-1).max()) if boundary.numel() else 1
-    count = max(count, 1)
-    order = torch.sort(torch.where(boundary, starts, n_kv), dim=-1, stable=True)
-    keep_starts = order.values[..., :count]
-    kept_key = key.gather(-1, order.indices[..., :count])
-    keep_starts = keep_starts.clone()
-    keep_starts[..., 0] = 0  # position 0 is always a boundary; this only guards n_kv == 0
-    return Pieces(keep_starts.contiguous(), (kept_key // 2).to(torch.int8), (kept_key % 2).to(torch.bool), n_kv)
+    # Among pieces with one start all but the last are empty: the last one's key holds there.
+    key = key.gather(-1, torch.searchsorted(starts, starts, right=True) - 1)
+    opens = torch.ones_like(key, dtype=torch.bool)
+    opens[..., 1:] = key[..., 1:] != key[..., :-1]
+    opens &= starts < n_kv
+    # Openers move to the front of their row in order; the rest land in a spare last column.
+    slot = opens.cumsum(-1)
+    count = int(slot[..., -1].max())
+    slot = slot.sub_(1).masked_fill_(~opens, count)
+    shape = (*starts.shape[:-1], count + 1)
+    kept_starts = starts.new_full(shape, n_kv).scatter_(-1, slot, starts)[..., :count]
+    kept_key = key.new_zeros(shape).scatter_(-1, slot, key)[..., :count]
+    return Pieces(kept_starts, kept_key, n_kv)
