@@ -45,8 +45,8 @@ def alternating(run_a, run_b, rounds: int = 3) -> tuple[float, float]:
 
 def warm_up_gpu(seconds: float = 2.0) -> None:
     """Keep the GPU busy until its clocks settle, so that the first workload is not timed on
-    an idle card (one run's first row, no mask, measured 520 TFLOP/s against 573-580 in
-    other runs; this rules the clocks out as the cause)."""
+    an idle card. (It did not close the gap between this script's maskc figures and
+    tune.py's, which benchmarks/NOTES.md records as unexplained.)"""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -136,8 +136,7 @@ def run(args, L):
         if args.backward:
             timed_maskc, timed_flex = with_backward(run_maskc, d_out), with_backward(run_flex, d_out)
         t_maskc, t_flex = alternating(timed_maskc, timed_flex)
-        # checked after timing: maskc timed right after the float64 reference measured 5-10%
-        # below tune.py's figure for the same kernel, and Flex (timed second) did not
+        # checked after timing, so that no heavy float64 work runs between the timed calls
         got = outputs(run_maskc, q, k, v, d_out, args.backward)
         err_flex = max(rel_err(a, b) for a, b in zip(got, outputs(run_flex, q, k, v, d_out, args.backward)))
         # the float64 slice needs 8·L² bytes per score matrix: skip it for the longest runs
