@@ -154,6 +154,17 @@ def test_score_mods_gqa(score, dtype):
     check(q, k, v, mask_mod=masks.causal, score_mod=score, enable_gqa=True)
 
 
+@pytest.mark.parametrize("mask", [None, masks.causal], ids=lambda m: "none" if m is None else m.__name__)
+def test_separable_score_with_minus_infinity_columns(mask):
+    # score + column(kv_idx) whose first kv tile is -inf in every row: FULL tiles fold the
+    # column into their FMA and must still give no NaN, and rows before kv 40 keep nothing
+    def late_keys(score, b, h, q_idx, kv_idx):
+        return score + torch.where(kv_idx >= 40, 0.0, float("-inf"))
+
+    q, k, v = _qkv(1, 2, 2, 70, 90, 32)
+    check(q, k, v, mask_mod=mask, score_mod=late_keys)
+
+
 def test_batch_and_head_dependent_mask():
     windows = torch.tensor([3, 40])
     ids = torch.randint(0, 3, (2 * 70,), generator=torch.Generator().manual_seed(0))  # [B * L], row b at b * 70

@@ -73,6 +73,8 @@ def test_what_sympy_folds_prints_its_folded_form():
     (sympy.Max(Q_IDX, KV_IDX), "tl.maximum(kv_idx, q_idx)"),
     (sympy.true, "True"),
     (sympy.false, "False"),
+    (sympy.Piecewise((0, KV_IDX >= 40), (-sympy.oo, True)), 'tl.where((kv_idx >= 40), 0, float("-inf"))'),
+    (sympy.oo, 'float("inf")'),
 ], ids=str)
 def test_numbers_and_arithmetic(expr, text):
     assert show(expr) == text
@@ -142,10 +144,10 @@ def test_tensor_args():
 @pytest.mark.parametrize("expr,name", [
     pytest.param(sympy.Function("mystery")(Q_IDX), "mystery"),
     pytest.param(sympy.sin(SCORE), "sin"),
-    pytest.param(sympy.oo, "Infinity"),
+    pytest.param(sympy.zoo, "ComplexInfinity"),
     pytest.param(sympy.Integral(SCORE, SCORE), "Integral"),
     pytest.param(sympy.I, "ImaginaryUnit"),
-], ids=["undefined_function", "sin", "oo", "Integral", "I"])
+], ids=["undefined_function", "sin", "zoo", "Integral", "I"])
 def test_unknown_nodes_raise_value_error_naming_them(expr, name):
     with pytest.raises(ValueError, match=f"cannot print {name}"):
         show(expr)

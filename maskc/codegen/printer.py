@@ -70,6 +70,12 @@ class TritonPrinter(CodePrinter):
     def _print_Float(self, e):
         return repr(float(e))
 
+    def _print_Infinity(self, e):
+        return 'float("inf")'
+
+    def _print_NegativeInfinity(self, e):
+        return 'float("-inf")'
+
     def _print_BooleanTrue(self, e):
         return "True"
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 import functools
 import hashlib
 from importlib import resources
+from pathlib import Path
 
 import jinja2
 import sympy
 
 from maskc._version import __version__
 from maskc.codegen.printer import TritonPrinter, tensor_args
+from maskc.codegen.separable import separate
 from maskc.codegen.spec import KernelSpec
 from maskc.trace.symbols import SCORE
 
@@ -19,9 +21,11 @@ KERNEL_NAMES = {"fwd": ("attention_fwd",), "bwd": ("attention_bwd_dq", "attentio
 
 
 @functools.lru_cache(maxsize=None)
-def _environment() -> jinja2.Environment:
-    # Templates are loaded from the installed package (maskc/_templates), never the source tree.
-    loader = jinja2.FunctionLoader(lambda name: resources.files("maskc._templates").joinpath(name).read_text())
+def _environment(folder: str | None = None) -> jinja2.Environment:
+    # Templates are loaded from the installed package (maskc/_templates), never the source
+    # tree; benchmarks/ab_fwd.py names another folder to time edited copies side by side.
+    root = resources.files("maskc._templates") if folder is None else Path(folder)
+    loader = jinja2.FunctionLoader(lambda name: root.joinpath(name).read_text())
     return jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                               autoescape=False)
 
@@ -36,18 +40,20 @@ def template_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def render(spec: KernelSpec) -> str:
-    """The Triton source of the kernel file described by `spec`."""
+def render(spec: KernelSpec, templates: str | None = None) -> str:
+    """The Triton source of the kernel file described by `spec` (from the templates in the
+    folder `templates`, else maskc's own)."""
     printer = TritonPrinter()
     extra = []
     for slot, rank in enumerate(spec.tensor_ranks):
         extra += tensor_args(slot, rank)
     extra += [f"p{i}" for i in range(len(spec.param_kinds))]
+    separable = separate(spec.score_expr)
     score_grad = None
     if spec.score_expr is not None:
         derivative = sympy.diff(spec.score_expr, SCORE)
         score_grad = None if derivative == 1 else printer.doprint(derivative)
-    return _environment().get_template(TEMPLATES[spec.kind]).render(
+    return _environment(templates).get_template(TEMPLATES[spec.kind]).render(
         kernel_name=KERNEL_NAMES[spec.kind][0],
         template_name=TEMPLATES[spec.kind],
         maskc_version=__version__,
@@ -56,5 +62,9 @@ def render(spec: KernelSpec) -> str:
         mask_expr=printer.doprint(spec.mask_expr) if spec.mask_expr is not None else "True",
         score_expr=printer.doprint(spec.score_expr) if spec.score_expr is not None else None,
         score_grad_expr=score_grad,
+        separable=separable is not None,
+        coefficient_expr=printer.doprint(separable.coefficient) if separable else None,
+        row_expr=printer.doprint(separable.row) if separable else None,
+        column_expr=printer.doprint(separable.column) if separable else None,
         extra_args=extra,
     )

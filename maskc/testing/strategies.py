@@ -229,9 +229,10 @@ def mask_cases(draw, max_len: int = 256, *, standard_only: bool = False, max_bat
 
 @st.composite
 def score_mods(draw, q_len: int, kv_len: int, H: int = 1, device="cpu") -> ScoreMod | None:
-    """None, softcap(c), alibi(slopes) with one slope per query head, or relative_bias(table)
-    with a table covering every q_idx - kv_idx at these lengths (1-d or per head)."""
-    kind = draw(st.sampled_from(("none", "softcap", "alibi", "relative_bias")))
+    """None, softcap(c), alibi(slopes) with one slope per query head, relative_bias(table)
+    with a table covering every q_idx - kv_idx at these lengths (1-d or per head), or an
+    affine a·score + r·q_idx + table[kv_idx]."""
+    kind = draw(st.sampled_from(("none", "softcap", "alibi", "relative_bias", "affine")))
     if kind == "none":
         return None
     if kind == "softcap":
@@ -241,9 +242,21 @@ def score_mods(draw, q_len: int, kv_len: int, H: int = 1, device="cpu") -> Score
         if draw(st.booleans()):
             return _scores.alibi(_scores.alibi_slopes(H).to(device))
         return _scores.alibi(torch.rand(H, generator=_generator(seed)).to(device))
+    if kind == "affine":
+        return _affine(draw(st.sampled_from((0.5, 1.0, 2.0))), draw(st.sampled_from((0.0, 0.05, -0.1))),
+                       torch.randn(kv_len, generator=_generator(seed)).to(device))
     width = q_len + kv_len - 1
     shape = (H, width) if draw(st.booleans()) else (width,)
     return _scores.relative_bias(torch.randn(shape, generator=_generator(seed)).to(device), offset=kv_len - 1)
+
+
+def _affine(coefficient: float, row_slope: float, column: torch.Tensor) -> ScoreMod:
+    """coefficient·score + row_slope·q_idx + column[kv_idx]: the split form (separable) that
+    FULL tiles fold into one FMA, with a column that is a table rather than a polynomial."""
+    def affine(score, b, h, q_idx, kv_idx):
+        return coefficient * score + row_slope * q_idx + column[kv_idx]
+
+    return ScoreMod(affine, name=f"affine_{coefficient:g}_{row_slope:g}")
 
 
 @st.composite
