@@ -77,8 +77,9 @@ def test_full_tiles_have_no_mask_code(mask):
     assert f"keep = ({mask_text}) != 0" in partial
     assert mask_text not in full
     assert "keep" not in full
-    # the score mod is applied in both loops
-    assert full.count("s = (") == 1 and partial.count("s = (") == 1
+    # the score mod is applied in both loops; FULL tiles use ALiBi's split form (codegen/separable.py)
+    assert partial.count("s = (") == 1
+    assert full.count("t = qk * score_scale + (") == 1 and "s = (" not in full
 
 
 # -- sharing --------------------------------------------------------------------------------
