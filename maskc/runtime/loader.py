@@ -4,6 +4,12 @@ Triton picks the interpreter when `@triton.jit` runs with TRITON_INTERPRET=1, so
 interpreted copy is imported with that variable set; both copies run the same file. Before
 the first compiled import, Triton is handed its cache key from disk (`triton_key.json` in
 the kernel cache) so that a new process does not hash Triton's install again.
+
+Triton's other one-off costs before a first compiled kernel, hashing its install when no key
+is stored and building its CUDA driver utilities (a C library, with gcc, once per Triton
+cache), run in background threads started once per process by `warm_up()`, which
+`kernel_for` calls for CUDA devices: they overlap maskc's rendering and block map, and the
+first compiled `load()` waits for them and raises what failed there.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import importlib.util
 import json
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import triton
@@ -28,7 +35,7 @@ def load(path: Path, *, interpret: bool):
     module = importlib.util.module_from_spec(spec)
     with _LOCK:
         if not interpret:
-            _remember_triton_key()
+            _WARM_UP.join()
         saved = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
         try:
@@ -41,15 +48,67 @@ def load(path: Path, *, interpret: bool):
     return module
 
 
-def _remember_triton_key() -> None:
+def warm_up() -> None:
+    """Start Triton's one-off work for compiled kernels in the background, once per process.
+    Only for processes that will launch on CUDA: it creates Triton's CUDA driver."""
+    _WARM_UP.start()
+
+
+class _WarmUp:
+    """The background work of warm_up(): two threads, since hashing Triton's install and gcc
+    both run without the GIL, and so alongside each other and the main thread."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._started = False
+        self._key: Future | None = None
+        self._driver: Future | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+            pool = ThreadPoolExecutor(2, thread_name_prefix="maskc-warm-up")
+            computed = getattr(triton.runtime.cache, "triton_key", None)
+            if computed is not None and not getattr(computed, "maskc_memo", False):
+                self._key = pool.submit(_stored_triton_key, computed)
+            self._driver = pool.submit(_driver_utils)
+            pool.shutdown(wait=False)  # the threads end with their work; exit waits for a running gcc
+
+    def join(self) -> None:
+        """Wait for the work started, if any; hand Triton its key; re-raise what failed in a
+        thread, once: later calls find nothing pending and do the work inline, as Triton would."""
+        with self._lock:
+            key, driver = self._key, self._driver
+            self._key = self._driver = None
+        try:
+            _remember_triton_key(key.result() if key is not None else None)
+        finally:
+            if driver is not None:
+                driver.result()
+
+
+_WARM_UP = _WarmUp()
+
+
+def _driver_utils():
+    """NOTE: Triton (3.6 to 3.9 at least) creates its CUDA driver on the first use of
+    `driver.active`, and the driver's utils are the C library built with gcc (0.3-0.7 s)
+    unless Triton's cache holds it."""
+    return triton.runtime.driver.active.utils
+
+
+def _remember_triton_key(prefetched: str | None = None) -> None:
     """NOTE: Triton keys its kernel cache with triton_key(), a hash of its own sources and of
     the 500 MB libtriton.so that every process computes before its first kernel (0.3 s, a
     third of a warm start). It changes only when those files do, so maskc keeps it on disk
-    next to the kernels and hands Triton the stored value."""
+    next to the kernels and hands Triton the stored value (`prefetched`: already read or
+    computed by warm_up())."""
     computed = getattr(triton.runtime.cache, "triton_key", None)
     if computed is None or getattr(computed, "maskc_memo", False):
         return  # a Triton that keys its cache elsewhere, or already handed over
-    key = _stored_triton_key(computed)
+    key = prefetched if prefetched is not None else _stored_triton_key(computed)
 
     def memo() -> str:
         return key
