@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -119,6 +120,7 @@ def run(args, L):
     d_out = torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16)
     mode = "fwd+bwd" if args.backward else "fwd"
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"MASKC_AUTOTUNE={os.environ.get('MASKC_AUTOTUNE', '')!r}, "
           f"B={B} H={H} L={L} D={D} bf16, {mode}")
     rows = []
     for name, mask, score in workloads(L, H, dev):

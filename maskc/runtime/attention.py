@@ -2,18 +2,24 @@
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+import triton
 import triton.language as tl
+import triton.testing
 
+from maskc._version import __version__
 from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.build import block_map as build_block_map
+from maskc.codegen.render import template_hash
 from maskc.codegen.spec import merge
-from maskc.runtime.configs import descriptors_enabled, override_key, padded
+from maskc.runtime import autotune
+from maskc.runtime.configs import TileConfig, descriptors_enabled, forward_candidates, override_key, padded
 from maskc.runtime.descriptors import DESCRIPTOR_MIN_PAIRS, descriptors
-from maskc.runtime.kernel import _DTYPES, CompiledKernel, kernel_for
+from maskc.runtime.kernel import _DTYPES, CompiledKernel, arch_of, kernel_for
 from maskc.trace.mods import as_mask_mod, as_score_mod
 
 _LOG2E = 1.4426950408889634
@@ -109,13 +115,18 @@ def _planned(q, k, v, mask, score, scale) -> Problem:
     return problem
 
 
-def _problem(q, k, v, mask, score, scale, block_map) -> Problem:
+def _problem(q, k, v, mask, score, scale, block_map, config: TileConfig | None = None) -> Problem:
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     given = block_map is not None
     tiles = _check_block_map(block_map, Lq, Lkv, B, Hq) if block_map is not None else None
     m, s = (mask.traced if mask else None), (score.traced if score else None)
-    kernel = kernel_for("fwd", m, s, q.dtype, D, Dv, Hq != Hkv, tiles, q.device)
+    if config is None and block_map is None and autotune.enabled():
+        candidates = forward_candidates(D, q.device.type)
+        if len(candidates) > 1:
+            config = autotune.tuned(_tuning_key(q, k, v, m, s), candidates,
+                                    lambda c: _seconds(q, k, v, _problem(q, k, v, mask, score, scale, None, c)))
+    kernel = kernel_for("fwd", m, s, q.dtype, D, Dv, Hq != Hkv, tiles, q.device, config)
     spec = kernel.spec
     if block_map is None:
         block_map = cached_block_map(mask, Lq, Lkv, (spec.block_m, spec.block_n), B, Hq, q.device)
@@ -126,6 +137,25 @@ def _problem(q, k, v, mask, score, scale, block_map) -> Problem:
     extra += [p.value for p in params]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     return Problem(mask, score, scale, Hq != Hkv, block_map, given, kernel, extra)
+
+
+def _tuning_key(q, k, v, mask, score) -> str:
+    """What a tuned choice holds for: the kernel's signature and versions, lengths by bucket."""
+    B, Hq, Lq, D = q.shape
+    return (f"{mask.signature if mask else ''}|{score.signature if score else ''}|{q.dtype}|d{D}|dv{v.shape[3]}"
+            f"|gqa{Hq != k.shape[1]}|{arch_of(q.device)}|lq{autotune.bucket(Lq)}|lkv{autotune.bucket(k.shape[2])}"
+            f"|templates {template_hash()}|maskc {__version__}|triton {triton.__version__}")
+
+
+def _seconds(q, k, v, problem: Problem) -> float:
+    """Median time of the forward of `problem`, after a first call that compiles it."""
+    forward(q, k, v, problem)
+    if not problem.interpret:
+        return triton.testing.do_bench(lambda: forward(q, k, v, problem), warmup=5, rep=25,
+                                       return_mode="median") * 1e-3
+    start = time.perf_counter()
+    forward(q, k, v, problem)
+    return time.perf_counter() - start
 
 
 def interpreter_safe(*tensors):

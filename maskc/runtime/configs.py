@@ -64,6 +64,21 @@ def forward_config(head_dim: int, device_type: str) -> TileConfig:
     return TileConfig(64, 32, 4, 2)
 
 
+def forward_candidates(head_dim: int, device_type: str) -> list[TileConfig]:
+    """The configs autotuning times (maskc/runtime/autotune.py), the default first. Each fits
+    two programs per H100 multiprocessor in shared memory where its head dim allows."""
+    default = forward_config(head_dim, device_type)
+    if "fwd" in _overrides or device_type != "cuda":
+        return [default]
+    if head_dim <= 64:
+        # 64×128 won at D=64 with no mask (+9%) and causal (+4-7%), lost on sliding window,
+        # prefix-LM and ALiBi (benchmarks/NOTES.md); 128×64 halves the K/V traffic per query.
+        return [default, TileConfig(64, 128, 4, 2), TileConfig(128, 64, 4, 3)]
+    if head_dim <= 128:
+        return [default, TileConfig(128, 64, 8, 3)]
+    return [default]
+
+
 def backward_config(head_dim: int, device_type: str) -> BackwardConfig:
     if "bwd" in _overrides:
         return _overrides["bwd"]

@@ -12,7 +12,7 @@ from maskc.codegen.render import KERNEL_NAMES, render, template_hash
 from maskc.codegen.spec import KernelSpec, dtype_name, merge
 from maskc.runtime import loader
 from maskc.runtime.cache import KERNELS
-from maskc.runtime.configs import forward_config
+from maskc.runtime.configs import TileConfig, forward_config
 from maskc.trace.mods import as_mask_mod, as_score_mod
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -60,15 +60,17 @@ def compile(mask_mod=None, score_mod=None, *, dtype=torch.bfloat16, head_dim: in
                       head_dim_v or head_dim, enable_gqa, block_size, device)
 
 
-def kernel_for(kind, mask, score, dtype, head_dim, head_dim_v, gqa, block_size, device) -> CompiledKernel:
-    """The `kind` ("fwd" or "bwd") kernel for traced mask and score, from memory, disk or rendering."""
+def kernel_for(kind, mask, score, dtype, head_dim, head_dim_v, gqa, block_size, device,
+               config: TileConfig | None = None) -> CompiledKernel:
+    """The `kind` ("fwd" or "bwd") kernel for traced mask and score, from memory, disk or
+    rendering; `config` (an autotuned choice) replaces the default tiles for the head dim."""
     if dtype not in _DTYPES:
         raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype}; cast q, k and v")
     for name, d in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
         if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
             raise ValueError(f"{name} must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {d}; "
                              f"pad or split the heads")
-    config = forward_config(head_dim, device.type)
+    config = config or forward_config(head_dim, device.type)
     if block_size is not None:
         block_size = tuple(block_size)
         if len(block_size) != 2 or any(not isinstance(b, int) or b < 16 or b > 256 or b & (b - 1)
