@@ -4,8 +4,9 @@
 
 The CPU test suite runs the same generated kernels through Triton's interpreter; this runs
 them compiled, on shapes the benchmarks never use (lengths that are not multiples of the
-tile, head dims that are not powers of two), once through tensor descriptors (forced on
-however small the problem) and once through pointers. Prints one line per case and a
+tile, head dims that are not powers of two), with each tile config autotuning may choose
+through tensor descriptors (forced on however small the problem), and the default config
+through pointers as well. Prints one line per case and a
 count of failures at the end; exits non-zero if any case fails.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import maskc
 import maskc.runtime.attention as attention
 from maskc import masks, scores
-from maskc.runtime.configs import use_config
+from maskc.runtime.configs import forward_candidates, use_config
 from maskc.testing import assert_close_to_reference, attention_reference
 
 SHAPES = [  # B, Hq, Hkv, Lq, Lkv, D, Dv
@@ -38,7 +39,13 @@ def cases(Lq, Lkv, H):
         ("document", masks.document(docs, causal=True), None),
         ("ALiBi causal", masks.causal, scores.alibi(scores.alibi_slopes(H).cuda())),
         ("softcap", None, scores.softcap(20.0)),
+        ("late keys", masks.causal, late_keys),
     ]
+
+
+def late_keys(score, b, h, q_idx, kv_idx):
+    # a split score mod (codegen/separable.py) whose first kv tiles are -inf in every row
+    return score + torch.where(kv_idx >= 40, 0.0, float("-inf"))
 
 
 def main():
@@ -51,10 +58,14 @@ def main():
         for name, mask, score in cases(Lq, Lkv, Hq):
             kwargs = dict(mask_mod=mask, score_mod=score, enable_gqa=Hq != Hkv)
             ref, ref_lse = attention_reference(q, k, v, **kwargs)
-            for descriptors in (True, False):
-                label = f"{name:13s} B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} Lkv={Lkv} D={D} Dv={Dv} {dtype} tma={descriptors}"
+            # each autotuning candidate through descriptors, the default through pointers too
+            candidates = forward_candidates(D, "cuda")
+            runs = [(c, True) for c in candidates] + [(candidates[0], False)]
+            for config, descriptors in runs:
+                label = (f"{name:13s} B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} Lkv={Lkv} D={D} Dv={Dv} {dtype} "
+                         f"tiles={tuple(config)} tma={descriptors}")
                 try:
-                    with use_config(descriptors=descriptors):
+                    with use_config(forward=config, descriptors=descriptors):
                         out, lse = maskc.compiled_attention(q, k, v, return_lse=True, **kwargs)
                     assert_close_to_reference(out, ref, dtype)
                     finite = torch.isfinite(ref_lse)
