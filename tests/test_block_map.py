@@ -10,6 +10,7 @@ import maskc
 from maskc import masks
 from maskc.analysis import EMPTY, FULL, PARTIAL, build, intervals
 from maskc.analysis.dense import evaluate, symbols_env
+from maskc.analysis.rows import row_pieces
 from maskc.testing import (assert_block_map_exact, assert_block_map_sound, attention_reference, dense_mask,
                            dense_tiles)
 from maskc.testing.strategies import mask_cases
@@ -37,6 +38,38 @@ def test_transposed_is_the_transpose(case):
     assert torch.equal(t.to_dense(), bm.to_dense().transpose(-1, -2))
     assert (t.q_len, t.kv_len, t.block_size) == (case.kv_len, case.q_len, case.block_size[::-1])
     assert (t.num_full, t.num_partial, t.num_empty) == (bm.num_full, bm.num_partial, bm.num_empty)
+
+
+@given(mask_cases())
+def test_runs_are_sorted_and_nonempty(case):
+    on_host = []  # whether the map was worked out on the host (rows.py), whose runs are the fewest
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "row_pieces", lambda *args: on_host.append(True) or row_pieces(*args))
+        bm = maskc.block_map(case.mask_mod, case.q_len, case.kv_len, block_size=case.block_size, B=case.B,
+                             H=case.H)
+    rows = torch.arange(bm.B * bm.H * bm.n_q)
+    for offsets, runs in ((bm.full_offsets, bm.full_runs), (bm.partial_offsets, bm.partial_runs)):
+        row = torch.repeat_interleave(rows, offsets.diff().long())
+        starts, ends = runs[:, 0], runs[:, 1]
+        assert bool((starts < ends).all()) and bool((ends <= bm.n_kv).all())
+        # in order within a row; touching runs of one kind could have been one
+        apart = ends[:-1] < starts[1:] if on_host else ends[:-1] <= starts[1:]
+        assert bool(apart[row[1:] == row[:-1]].all())
+
+
+@given(mask_cases(standard_only=True))
+def test_host_rows_agree_with_pieces_combined_pair_by_pair(case):
+    # Row-wise masks are evaluated at once on the host (rows.py); the same thresholds, combined as
+    # Pieces, are what masks mixing thresholds with captured tensors or per-tile verdicts use.
+    def build_map():
+        return maskc.block_map(case.mask_mod, case.q_len, case.kv_len, block_size=case.block_size, B=case.B,
+                               H=case.H)
+
+    host = build_map()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build._Analysis, "host_pieces", lambda self, e: None)
+        combined = build_map()
+    assert torch.equal(host.to_dense(), combined.to_dense())
 
 
 # -- counts and forms -----------------------------------------------------------------------
@@ -206,6 +239,16 @@ def test_out_of_range_table_index_reads_zero(block_size):
 @pytest.mark.parametrize("q_len, kv_len, block_size", [(100, 130, (16, 16)), (77, 77, (48, 32)), (60, 50, (5, 3))])
 def test_undecidable_operations_are_settled_densely(fn, q_len, kv_len, block_size):
     assert_block_map_exact(fn, q_len, kv_len, block_size)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda b, h, q_idx, kv_idx: kv_idx <= q_idx * q_idx,  # a threshold whose bound has no interval rule
+    lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= 3),  # partial edges meet in a tile
+    lambda b, h, q_idx, kv_idx: (q_idx - kv_idx <= 2 * h + 5) & (kv_idx <= q_idx) | (h == 1),
+], ids=["square_bound", "narrow_window", "per_head"])
+@pytest.mark.parametrize("q_len, kv_len, block_size", [(100, 130, (16, 16)), (77, 77, (48, 32)), (60, 50, (5, 3))])
+def test_row_wise_masks_that_need_settling_or_heads(fn, q_len, kv_len, block_size):
+    assert_block_map_exact(fn, q_len, kv_len, block_size, H=3)
 
 
 def test_settling_decides_tiles():

@@ -14,6 +14,7 @@ import torch
 
 from maskc.analysis.classify import EMPTY, FULL, PARTIAL
 from maskc.analysis.pieces import Pieces
+from maskc.analysis.rows import HostPieces
 
 _TABLES = ("_buffer", "full_offsets", "full_runs", "partial_offsets", "partial_runs")
 _GLYPHS = {EMPTY: "·", PARTIAL: "░", FULL: "█"}
@@ -30,23 +31,25 @@ class BlockMap:
     >>> bm.to_dense()      # int8 [B', H', q_tiles, kv_tiles]: 0 EMPTY, 1 PARTIAL, 2 FULL
     """
 
-    def __init__(self, pieces: Pieces, *, q_len: int, kv_len: int, block_size: tuple[int, int],
-                 mask_name: str = "mask", mask_mod=None):
+    def __init__(self, pieces: Pieces | HostPieces, *, q_len: int, kv_len: int, block_size: tuple[int, int],
+                 mask_name: str = "mask", mask_mod=None, device=None):
         self.q_len, self.kv_len = q_len, kv_len
         self.block_size = tuple(block_size)
         self.mask_name = mask_name
         self.mask_mod = mask_mod
         self.B, self.H, self.n_q = pieces.starts.shape[:3]
         self.n_kv = pieces.n_kv
-        self._buffer, self._n_full = _run_tables(pieces, self.B * self.H * self.n_q)
+        buffer, self._n_full = pieces.run_tables(self.B * self.H * self.n_q)
+        self._buffer = buffer if device is None else buffer.to(device)
         self._set_views()
 
     def _set_views(self):
-        """The four run tables as views of the one buffer (see _run_tables)."""
-        rows = self.B * self.H * self.n_q
-        offsets, runs = self._buffer.split([2 * (rows + 1), len(self._buffer) - 2 * (rows + 1)])
-        self.full_offsets, self.partial_offsets = offsets.view(2, rows + 1)
-        self.full_runs, self.partial_runs = runs.view(-1, 2).split([self._n_full, len(runs) // 2 - self._n_full])
+        """The four run tables as views of the one buffer: [full offsets | partial offsets |
+        full runs | partial runs]."""
+        n = self.B * self.H * self.n_q + 1
+        self.full_offsets, self.partial_offsets = self._buffer[:n], self._buffer[n:2 * n]
+        runs = self._buffer[2 * n:].view(-1, 2)
+        self.full_runs, self.partial_runs = runs[:self._n_full], runs[self._n_full:]
 
     # -- counts -----------------------------------------------------------------------------
     @property
@@ -151,29 +154,6 @@ class BlockMap:
 
     def __repr__(self) -> str:
         return self.__str__().splitlines()[0]
-
-
-@functools.lru_cache(maxsize=None)
-def _verdicts(device) -> torch.Tensor:
-    """FULL and PARTIAL along a leading dimension, made once per device."""
-    return torch.tensor([FULL, PARTIAL], device=device).view(2, 1, 1, 1, 1)
-
-
-def _run_tables(pieces: Pieces, rows: int) -> tuple[torch.Tensor, int]:
-    """All four run tables in one int32 buffer, so that moving a map is one copy:
-    [full offsets | partial offsets | full runs | partial runs], and the number of full runs."""
-    device = pieces.starts.device
-    sel = ((pieces.verdict == _verdicts(device)) & pieces.live).view(2, rows, -1)
-    # on the host, nonzero + index_select takes half the time of a boolean index
-    which = sel.view(2, -1).nonzero()[:, 1]
-    tables = torch.empty(2 * (rows + 1 + len(which)), dtype=torch.int32, device=device)
-    offsets = tables[:2 * (rows + 1)].view(2, rows + 1)
-    offsets[:, 0] = 0
-    # runs up to the end of each row: a running count over the rows laid end to end
-    offsets[:, 1:] = sel.view(2, -1).cumsum(-1)[:, sel.shape[-1] - 1::sel.shape[-1]]
-    bounds = torch.stack([pieces.starts, pieces.ends], dim=-1).to(torch.int32).view(-1, 2)
-    torch.index_select(bounds, 0, which, out=tables[2 * (rows + 1):].view(-1, 2))
-    return tables, int(offsets[0, -1])
 
 
 def _tiles(runs) -> int:

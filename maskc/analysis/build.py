@@ -2,14 +2,16 @@
 
 Each comparison `a*kv_idx + R >= 0` whose kv_idx part is a plain multiple becomes, per
 q-tile row, two thresholds along kv (O(rows) work). Other comparisons get per-tile
-interval verdicts (O(tiles)). Verdicts combine through & | ~ ^ as row pieces. Tiles left
-PARTIAL without certainty (two PARTIAL atoms meeting, an undecidable operation) are
-settled by evaluating the mask on those tiles alone.
+interval verdicts (O(tiles)). Verdicts combine through & | ~ ^ as row pieces; a mask made
+of thresholds and comparisons free of kv_idx alone is evaluated at once, in numpy on the
+host (rows.py). Tiles left PARTIAL without certainty (two PARTIAL atoms meeting, an
+undecidable operation) are settled by evaluating the mask on those tiles alone.
 """
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import sympy
 import torch
 
@@ -19,6 +21,7 @@ from maskc.analysis.classify import EMPTY, FULL, PARTIAL, classify_grid
 from maskc.analysis.intervals import Interval, IntervalEvaluator, TensorSummaries, _Undecidable
 from maskc.analysis._shapes import broadcast
 from maskc.analysis.pieces import OPS, Pieces, pack
+from maskc.analysis.rows import Cuts, HostPieces, row_pieces
 from maskc.trace import symbols as S
 from maskc.trace.mods import as_mask_mod
 
@@ -52,17 +55,20 @@ def block_map(mask_mod, q_len: int, kv_len: int, *, block_size=(128, 128), B: in
                              f"built on {device}; move the tensor or pass device={t.device}")
     work = _work_device(traced, device)
     ctx = _Analysis(traced, traced.param_values(), q_len, kv_len, bm, bn, n_b, n_h, work, device)
-    pieces = ctx.pieces(traced.expr)
+    pieces = ctx.host_pieces(traced.expr) if work.type == "cpu" and _row_wise(traced.expr) else None
+    if pieces is None:
+        pieces = ctx.pieces(traced.expr)
     pieces = ctx.settle(pieces.expand(broadcast(pieces.starts.shape[:3], (1, 1, ctx.n_q))))
-    bmap = BlockMap(pieces, q_len=q_len, kv_len=kv_len, block_size=block_size, mask_name=mm.__name__, mask_mod=mm)
-    return bmap.to(device)
+    return BlockMap(pieces, q_len=q_len, kv_len=kv_len, block_size=block_size, mask_name=mm.__name__, mask_mod=mm,
+                    device=device)
 
 
 def _work_device(traced, target: torch.device) -> torch.device:
     """Where the analysis runs. A mask made of thresholds along kv (causal, sliding window,
-    prefix-LM) costs O(rows) in a few dozen tiny tensor steps: on a GPU each would be a
-    kernel launch and each count a host sync, so the host runs them and the finished map
-    crosses in one copy. Captured tensors and per-tile verdicts stay on the target device."""
+    prefix-LM) costs O(rows) in a few dozen small steps: on a GPU each would be a kernel
+    launch and each count a host sync, so the host runs them (in numpy, rows.py) and the
+    finished map crosses in one copy. Captured tensors and per-tile verdicts stay on the
+    target device."""
     if target.type == "cpu" or traced.tensors or not _row_wise(traced.expr):
         return target
     return torch.device("cpu")
@@ -158,7 +164,16 @@ class _Analysis:
         return Pieces(torch.zeros(shape, dtype=torch.int64, device=self.device), key.expand(shape), self.n_kv)
 
     # -- comparisons linear in kv_idx: thresholds per row ----------------------------------
-    def _threshold(self, rel):
+    def _threshold(self, rel) -> Pieces | None:
+        cuts = self._cuts(rel, host=False)
+        if cuts is None:
+            return None
+        first, second = torch.broadcast_tensors(cuts.first, cuts.second)
+        starts = torch.stack([torch.zeros_like(first), first, second], dim=-1)
+        return Pieces(starts, cuts.keys.expand(starts.shape), self.n_kv)
+
+    def _cuts(self, rel, host: bool) -> Cuts | None:
+        """Where rel's verdict changes along each row, as numpy arrays on the host or tensors."""
         form = _threshold_form(rel, self.values)
         if form is None:
             return None
@@ -169,32 +184,49 @@ class _Analysis:
             return None
         if r.lo.dtype != torch.int64:
             return None
-        shape = broadcast(r.lo.shape, (1, 1, 1, 1))
-        lo, hi = r.lo.expand(shape)[..., 0], r.hi.expand(shape)[..., 0]
+        # the bounds per row, [B', H', n_q] or broadcastable to it
+        lo, hi = (x.numpy() if host else x for x in (r.lo, r.hi))
+        lo, hi = (x.reshape(broadcast(x.shape, (1, 1, 1, 1)))[..., 0] for x in (lo, hi))
+        # The cuts come out ordered without a max or min: lo <= hi, and tiles wholly before a
+        # position never outnumber tiles starting before it.
         if a > 0:
             # kv kept from ceil(bound / a): by some q of the row from the lowest bound, by all from the highest
-            nonempty_from = self._tile_at(_ceildiv(lo, a))
-            full_from = torch.maximum(self._tiles_before(_ceildiv(hi, a)), nonempty_from)
-            bounds, order = (nonempty_from, full_from), (EMPTY, PARTIAL, FULL)
+            cuts, order = (self._tile_at(_ceildiv(lo, a)), self._tiles_before(_ceildiv(hi, a))), (EMPTY, PARTIAL, FULL)
         else:
             # kv kept up to floor(bound / -a): by some q up to the highest bound, by all up to the lowest
-            nonempty_to = self._tiles_before(_floordiv(hi, -a) + 1)
-            full_to = torch.minimum(self._tile_at(_floordiv(lo, -a) + 1), nonempty_to)
-            bounds, order = (full_to, nonempty_to), (FULL, PARTIAL, EMPTY)
-        starts = torch.stack([torch.zeros_like(bounds[0]), *bounds], dim=-1)
-        return Pieces(starts, _keys(order, r.tight, self.device).expand(starts.shape), self.n_kv)
+            cuts, order = ((self._tile_at(_floordiv(lo, -a) + 1), self._tiles_before(_floordiv(hi, -a) + 1)),
+                           (FULL, PARTIAL, EMPTY))
+        if host:  # tiles fit in int32, and the host's pieces are made of them
+            return Cuts(*(c.astype(np.int32) for c in cuts), _keys(order, r.tight, None))
+        return Cuts(*cuts, _keys(order, r.tight, self.device))
 
     def _tile_at(self, kv):
         """The tile holding kv position `kv`: 0 before the first, n_kv past the last. It is
         also how many tiles lie wholly before `kv`."""
-        return _floordiv(kv.clamp(min=0), self.bn).masked_fill_(kv >= self.kv_len, self.n_kv)
+        return _floordiv(_clip(kv, 0, self.kv_len - 1), self.bn) + (kv >= self.kv_len)
 
     def _tiles_before(self, kv):
         """How many tiles start before kv position `kv`."""
-        return _floordiv(kv + (self.bn - 1), self.bn).clamp_(0, self.n_kv)
+        return _clip(_ceildiv(kv, self.bn), 0, self.n_kv)
+
+    # -- row-wise expressions, on the host --------------------------------------------------
+    def host_pieces(self, e) -> HostPieces | None:
+        """The pieces of a row-wise expression (see _row_wise), worked out on the host by
+        rows.py, or None where a threshold has no row bounds."""
+        leaves = {}
+        for atom in _atoms(e):
+            leaves[atom] = self._cuts(atom, host=True) if _reads_kv(atom) else self._row_key(atom)
+            if leaves[atom] is None:
+                return None
+        return row_pieces(e, leaves, self.n_q, self.n_kv)
+
+    def _row_key(self, atom) -> np.ndarray:
+        """The key of a comparison free of kv_idx, per row: int8 [B', H', n_q, 1]."""
+        key = pack(*classify_grid(atom, self.rows))
+        return key.reshape(broadcast(key.shape, (1, 1, 1, 1))).numpy().astype(np.int8)
 
     # -- dense settling of uncertain tiles ----------------------------------------------------
-    def settle(self, pieces: Pieces) -> Pieces:
+    def settle(self, pieces: Pieces | HostPieces) -> Pieces | HostPieces:
         """Evaluate the mask on the tiles whose verdict is unsure; dense work runs on the target."""
         if not pieces.unsure():
             return pieces
@@ -280,15 +312,30 @@ def _row_wise(e) -> bool:
     return not _reads_kv(e) or (form is not None and form[0].is_Integer and form[0] != 0)
 
 
+@functools.lru_cache(maxsize=1024)
+def _atoms(e) -> tuple:
+    """The comparisons in e, each once."""
+    if isinstance(e, (sympy.And, sympy.Or, sympy.Xor, sympy.Not)):
+        return tuple(dict.fromkeys(atom for a in e.args for atom in _atoms(a)))
+    return () if e is sympy.true or e is sympy.false else (e,)
+
+
 @functools.lru_cache(maxsize=None)
-def _keys(verdicts: tuple, certain: bool, device) -> torch.Tensor:
-    """The keys of a fixed sequence of verdicts, made once per device."""
-    return torch.tensor([v * 2 + certain for v in verdicts], dtype=torch.int64, device=device)
+def _keys(verdicts: tuple, certain: bool, device):
+    """The keys of a fixed sequence of verdicts, made once per device; a numpy array for device None."""
+    keys = [v * 2 + certain for v in verdicts]
+    return np.array(keys, dtype=np.int8) if device is None else torch.tensor(keys, dtype=torch.int64, device=device)
+
+
+def _clip(x, lo, hi):
+    """x.clip(lo, hi) of a numpy array or a tensor; numpy's method costs more than its two ufuncs."""
+    return np.minimum(np.maximum(x, lo), hi) if isinstance(x, np.ndarray) else x.clip(lo, hi)
 
 
 def _floordiv(x, d):
-    return x if d == 1 else torch.div(x, d, rounding_mode="floor")
+    """floor(x / d) of integers, for numpy arrays and tensors alike."""
+    return x if d == 1 else x // d
 
 
 def _ceildiv(x, d):
-    return x if d == 1 else _floordiv(x + (d - 1), d)
+    return x if d == 1 else (x + (d - 1)) // d

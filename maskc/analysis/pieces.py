@@ -12,11 +12,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from maskc.analysis._shapes import broadcast
-from maskc.analysis.classify import PARTIAL, combine_and, combine_not, combine_or, combine_xor
+from maskc.analysis.classify import FULL, PARTIAL, combine_and, combine_not, combine_or, combine_xor
 
 N_KEYS = 6  # 3 verdicts × certain or not
 UNSURE = PARTIAL * 2  # the key of a PARTIAL piece that dense evaluation must settle
@@ -92,17 +93,46 @@ class Pieces:
     def to(self, device) -> "Pieces":
         return Pieces(self.starts.to(device), self.key.to(device), self.n_kv)
 
+    def run_tables(self, rows: int) -> tuple[torch.Tensor, int]:
+        """The run tables of a BlockMap of these pieces in one int32 buffer, so that moving a map
+        is one copy: [full offsets | partial offsets | full runs | partial runs], and the number
+        of full runs. Each nonempty FULL or PARTIAL piece is a run: compress has merged neighbours."""
+        device = self.starts.device
+        sel = ((self.verdict == _verdicts(device)) & self.live).view(2, rows, -1)
+        # on the host, nonzero + index_select takes half the time of a boolean index
+        which = sel.view(2, -1).nonzero()[:, 1]
+        tables = torch.empty(2 * (rows + 1 + len(which)), dtype=torch.int32, device=device)
+        offsets = tables[:2 * (rows + 1)].view(2, rows + 1)
+        offsets[:, 0] = 0
+        # runs up to the end of each row: a running count over the rows laid end to end
+        offsets[:, 1:] = sel.view(2, -1).cumsum(-1)[:, sel.shape[-1] - 1::sel.shape[-1]]
+        bounds = torch.stack([self.starts, self.ends], dim=-1).to(torch.int32).view(-1, 2)
+        torch.index_select(bounds, 0, which, out=tables[2 * (rows + 1):].view(-1, 2))
+        return tables, int(offsets[0, -1])
+
 
 OPS = {"and": combine_and, "or": combine_or, "xor": combine_xor}
 
 
 @functools.lru_cache(maxsize=None)
-def _table(op, device) -> torch.Tensor:
-    """op applied to every key (combine_not) or pair of keys (indexed by key_a * N_KEYS + key_b)."""
+def host_table(op) -> np.ndarray:
+    """op applied to every key (combine_not) or pair of keys (indexed by key_a * N_KEYS + key_b),
+    as int8 for the host's pieces (rows.py)."""
     keys = torch.arange(N_KEYS)
     if op is combine_not:
-        return pack(*op(unpack(keys))).to(device)
-    return pack(*op(unpack(keys.repeat_interleave(N_KEYS)), unpack(keys.repeat(N_KEYS)))).to(device)
+        return pack(*op(unpack(keys))).to(torch.int8).numpy()
+    return pack(*op(unpack(keys.repeat_interleave(N_KEYS)), unpack(keys.repeat(N_KEYS)))).to(torch.int8).numpy()
+
+
+@functools.lru_cache(maxsize=None)
+def _table(op, device) -> torch.Tensor:
+    return torch.from_numpy(host_table(op)).to(device, torch.int64)
+
+
+@functools.lru_cache(maxsize=None)
+def _verdicts(device) -> torch.Tensor:
+    """FULL and PARTIAL along a leading dimension, made once per device."""
+    return torch.tensor([FULL, PARTIAL], device=device).view(2, 1, 1, 1, 1)
 
 
 def _lookup(table, index):
