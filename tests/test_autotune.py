@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 import maskc
 from maskc import masks
@@ -42,6 +43,23 @@ def test_other_processes_choices_are_kept(_cache):
     (_cache / "autotune.json").write_text(json.dumps({"theirs": list(SLOW)}))
     autotune.tuned("mine", [SLOW, FAST], lambda c: 1.0 if c == FAST else 2.0)
     assert json.loads((_cache / "autotune.json").read_text()) == {"theirs": list(SLOW), "mine": list(FAST)}
+
+
+def test_candidates_that_do_not_fit_the_gpu_are_skipped(_cache):
+    def seconds(config):
+        if config == FAST:
+            raise OutOfResources(300000, 232448, "shared memory")
+        return 1.0
+
+    assert autotune.tuned("small gpu", [SLOW, FAST], seconds) == SLOW
+
+
+def test_a_default_that_does_not_fit_is_an_error(_cache):
+    def seconds(config):
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    with pytest.raises(OutOfResources):
+        autotune.tuned("k", [SLOW, FAST], seconds)
 
 
 def test_lengths_share_a_choice_within_a_power_of_two():

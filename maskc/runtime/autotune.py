@@ -15,6 +15,8 @@ import logging
 import os
 import threading
 
+from triton.runtime.errors import OutOfResources
+
 from maskc.runtime.cache import cache_dir, write_atomic
 from maskc.runtime.configs import TileConfig
 
@@ -37,16 +39,23 @@ def bucket(length: int) -> int:
 def tuned(key: str, candidates: list[TileConfig], seconds_of) -> TileConfig:
     """The stored choice for `key`, else the candidate with the least median of three rounds of
     `seconds_of(config)` (timed in turn, so that clock and power drift fall on all alike),
-    stored for later calls and processes."""
+    stored for later calls and processes. Candidates that do not fit the GPU are skipped."""
     with _LOCK:
         stored = _stored().get(key)
     if stored is not None:
         return TileConfig(*stored)
     times = {c: [] for c in candidates}
     for _ in range(3):
-        for c in candidates:
-            times[c].append(seconds_of(c))
-    best = min(candidates, key=lambda c: sorted(times[c])[1])
+        for c in list(times):
+            try:
+                times[c].append(seconds_of(c))
+            except OutOfResources as e:
+                if c == candidates[0]:
+                    raise  # the default config must run; this is not a tuning question
+                # a GPU with less shared memory than an H100: that candidate cannot run here
+                _log.info("maskc autotune %s: %s does not fit (%s)", key, tuple(c), e)
+                del times[c]
+    best = min(times, key=lambda c: sorted(times[c])[1])
     _log.info("maskc autotune %s: %s (medians %s)", key, tuple(best),
               {tuple(c): f"{sorted(t)[1] * 1e3:.3f} ms" for c, t in times.items()})
     with _LOCK:
