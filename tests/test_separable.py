@@ -39,6 +39,21 @@ def test_alibi_is_centred_on_the_first_row_of_the_tile():
     assert split.row == SLOPE * (Q_LO - Q_IDX)
 
 
+@pytest.mark.parametrize("column", [
+    sympy.exp(KV_IDX / 64 - P0 / 64),  # expanded, exp(kv/64) * exp(-p0/64) is inf * 0 in float32
+    2e-9 * KV_IDX * (KV_IDX - 1),  # expanded, kv**2 prints as an int32 product that wraps
+], ids=str)
+def test_terms_are_kept_as_written(column):
+    split = separate(SCORE + column)
+    assert split.column == column and split.row == 0
+
+
+def test_only_linear_columns_are_centred():
+    assert separate(SCORE + 0.5 * KV_IDX ** 2).column == 0.5 * KV_IDX ** 2
+    infinite_slope = sympy.Piecewise((-sympy.oo, sympy.Eq(H, 0)), (1, True)) * KV_IDX  # -inf * 0 at q_lo
+    assert separate(SCORE + infinite_slope).column == infinite_slope
+
+
 def test_columns_that_are_not_polynomials_are_not_centred():
     split = separate(SCORE - TABLE_KV)
     assert split.column == -TABLE_KV and split.row == 0

@@ -2,11 +2,15 @@
 
 For these the FULL-tile softmax needs no per-score bias arithmetic: the column term is a
 vector per kv tile folded into the one FMA that scales the scores, and the row term a vector
-per program added to the running max. A general score mod costs four or five more float
-operations per score (FlashAttention-style kernels are bound by those, not by the matrix
-units, once the matrices are small), so ALiBi's FULL tiles then cost what plain causal's do.
+per program added to the running max. A general score mod costs a few more float operations
+per score; split, ALiBi-causal measured 4-5% faster on an H100 (benchmarks/NOTES.md), still
+about 7% below plain causal.
 
-A column term polynomial in kv_idx is centred on the program's first query row, `q_lo`:
+Terms are printed as the user wrote them: only a product that mixes q_idx and kv_idx is
+multiplied out (ALiBi's slope * (kv_idx - q_idx)), since a deep expand rewrites what runs
+(exp(a + b) into exp(a) * exp(b), which overflows; kv * (kv - 1) into an int32 kv**2).
+
+A column linear in kv_idx is centred on the program's first query row, `q_lo`:
 column(kv_idx) - column(q_lo) and row(q_idx) + column(q_lo) add up to the same score, and
 near the diagonal both stay small, so float32 keeps its precision at any length (ALiBi's
 slope * kv_idx alone would be ~10^5 at L = 131072, with 10^-2 absolute rounding error).
@@ -37,16 +41,16 @@ def separate(score_expr: sympy.Expr | None) -> SeparableScore | None:
     indexed by q_idx - kv_idx, a product of score with a position).
 
     >>> separate(SCORE + LoadFloat(0, H) * (KV_IDX - Q_IDX))
-    SeparableScore(coefficient=1, row=(q_lo - q_idx)*LoadFloat(0, h), column=(kv_idx - q_lo)*LoadFloat(0, h))
+    SeparableScore(coefficient=1, row=(-q_idx + q_lo)*LoadFloat(0, h), column=(kv_idx - q_lo)*LoadFloat(0, h))
     """
-    if score_expr is None:
-        return None
+    if score_expr is None or _uses(sympy.diff(score_expr, SCORE)):
+        return None  # cheap test first: the score's factor must be free of score and positions
     coefficient, row, column = sympy.Integer(0), sympy.Integer(0), sympy.Integer(0)
-    for term in sympy.Add.make_args(sympy.expand(score_expr)):
+    for term in _terms(score_expr):
         uses = _uses(term)
         if SCORE in uses:
             factor = sympy.cancel(term / SCORE)
-            if _uses(factor) & {SCORE, Q_IDX, KV_IDX}:
+            if _uses(factor):
                 return None
             coefficient += factor
         elif Q_IDX in uses and KV_IDX in uses:
@@ -55,10 +59,25 @@ def separate(score_expr: sympy.Expr | None) -> SeparableScore | None:
             column += term
         else:
             row += term
-    if column.is_polynomial(KV_IDX):
+    if column.is_polynomial(KV_IDX) and sympy.degree(column, KV_IDX) == 1 and not column.has(*_INFINITIES):
         shift = column.subs(KV_IDX, Q_LO)
         column, row = sympy.factor_terms(column - shift), sympy.factor_terms(row + shift)
     return SeparableScore(coefficient, row, column)
+
+
+def _terms(expr) -> list:
+    """The top-level terms of expr, with products that mix q_idx and kv_idx multiplied out
+    one level; everything else as written."""
+    terms = []
+    for term in sympy.Add.make_args(expr):
+        if term.is_Mul and {Q_IDX, KV_IDX} <= _uses(term):
+            terms += sympy.Add.make_args(sympy.expand_mul(term, deep=False))
+        else:
+            terms.append(term)
+    return terms
+
+
+_INFINITIES = (sympy.oo, -sympy.oo, sympy.zoo)
 
 
 def _uses(expr) -> set:

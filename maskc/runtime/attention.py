@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
 from maskc._version import __version__
 from maskc.analysis.blockmap import BlockMap
@@ -148,14 +147,17 @@ def _tuning_key(q, k, v, mask, score) -> str:
 
 
 def _seconds(q, k, v, problem: Problem) -> float:
-    """Median time of the forward of `problem`, after a first call that compiles it."""
+    """Median wall time of five forwards of `problem`, after one that compiles it."""
+    sync = torch.cuda.synchronize if q.device.type == "cuda" else (lambda: None)
     forward(q, k, v, problem)
-    if not problem.interpret:
-        return triton.testing.do_bench(lambda: forward(q, k, v, problem), warmup=5, rep=25,
-                                       return_mode="median") * 1e-3
-    start = time.perf_counter()
-    forward(q, k, v, problem)
-    return time.perf_counter() - start
+    sync()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        forward(q, k, v, problem)
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[2]
 
 
 def interpreter_safe(*tensors):

@@ -7,6 +7,11 @@ length bucket times each candidate of `configs.forward_candidates` on the caller
 tensors and keeps the fastest in `autotune.json` beside the cached kernels; later calls and
 later processes read the choice and time nothing. Tuning compiles every candidate, so it
 costs a few seconds once; it is off by default to keep a new mask's first call short.
+
+Limits: the key is the kernel signature and the length buckets, not the captured values, so
+sliding_window(128) and sliding_window(8192) share one choice; `maskc.compile()` shows the
+default-tile kernel, not a tuned one; two processes (or threads) meeting a new key at once
+both tune it, and the last to write wins, which costs at most a later re-tune.
 """
 from __future__ import annotations
 
