@@ -79,13 +79,13 @@ def kernel_for(kind, mask, score, dtype, head_dim, head_dim_v, gqa, block_size, 
                              f"use for example (64, 64)")
         config = config._replace(block_m=block_size[0], block_n=block_size[1])
     arch = arch_of(device)
-    if device.type == "cuda":
-        loader.warm_up()  # Triton's one-off set-up overlaps rendering and the caller's block map
     key = (kind, mask.signature if mask else "", score.signature if score else "", dtype, head_dim, head_dim_v, gqa,
            config, arch)
     kernel = KERNELS.get(key)
     if kernel is not None:
         return kernel
+    if device.type == "cuda":
+        loader.warm_up()  # Triton's one-off set-up overlaps rendering and the caller's block map
     mask_expr, score_expr, tensors, params = merge(mask, score)
     spec = KernelSpec(
         kind=kind, mask_signature=key[1], score_signature=key[2], tensor_ranks=tuple(t.dim() for t in tensors),
