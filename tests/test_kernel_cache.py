@@ -1,7 +1,9 @@
 """The kernel cache: one kernel per canonical expression, shared across values, kept on disk."""
+import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -148,6 +150,27 @@ def test_signature_equal_masks_with_different_captures():
     _run_and_check(q, k, v, mask_mod=masks.causal)
     _run_and_check(q, k, v, mask_mod=folded)
 
+
+
+def test_codegen_edits_give_new_cache_entries(tmp_path, monkeypatch):
+    # A kernel's text depends on the printer and render code as much as on the templates:
+    # editing either within one version must not find the old file on disk.
+    render_module = importlib.import_module("maskc.codegen.render")  # the package exports a function of that name
+    copy = tmp_path / "codegen"
+    shutil.copytree(os.path.dirname(render_module.__file__), copy)
+    monkeypatch.setattr(render_module, "__file__", str(copy / "render.py"))
+    render_module.codegen_hash.cache_clear()
+    try:
+        same = render_module.codegen_hash()
+        printer = copy / "printer.py"
+        printer.write_text(printer.read_text() + "\n# an edit\n")
+        render_module.codegen_hash.cache_clear()
+        edited = render_module.codegen_hash()
+    finally:
+        monkeypatch.undo()
+        render_module.codegen_hash.cache_clear()
+    assert same == render_module.codegen_hash()
+    assert edited != same
 
 # -- memory, disk, other processes ----------------------------------------------------------
 def test_memory_then_disk(cache_dir):

@@ -31,12 +31,18 @@ def _environment(folder: str | None = None) -> jinja2.Environment:
 
 
 @functools.lru_cache(maxsize=None)
-def template_hash() -> str:
-    """Hash of every template (included fragments too): any edit gives new cache entries."""
+def codegen_hash() -> str:
+    """Hash of what decides a kernel's text: every template (included fragments too) and
+    maskc's codegen modules. Any edit to either gives new cache entries, so a developer
+    changing the printer within one version never runs a stale cached kernel."""
     digest = hashlib.sha256()
-    for entry in sorted(resources.files("maskc._templates").iterdir(), key=lambda e: e.name):
+    templates = resources.files("maskc._templates").iterdir()
+    modules = Path(__file__).parent.glob("*.py")
+    for entry in sorted(templates, key=lambda e: e.name):
         if entry.name.endswith(".jinja"):
             digest.update(entry.name.encode() + b"\0" + entry.read_bytes())
+    for module in sorted(modules):
+        digest.update(module.name.encode() + b"\0" + module.read_bytes())
     return digest.hexdigest()[:16]
 
 

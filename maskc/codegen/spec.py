@@ -36,8 +36,8 @@ class KernelSpec:
     def key_fields(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in ("mask_expr", "score_expr")}
 
-    def digest(self, *, template_hash: str, versions: str, arch: str) -> str:
-        blob = json.dumps({**self.key_fields(), "template": template_hash, "versions": versions, "arch": arch},
+    def digest(self, *, codegen_hash: str, versions: str, arch: str) -> str:
+        blob = json.dumps({**self.key_fields(), "codegen": codegen_hash, "versions": versions, "arch": arch},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -13,7 +13,7 @@ import triton.language as tl
 from maskc._version import __version__
 from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.build import block_map as build_block_map
-from maskc.codegen.render import template_hash
+from maskc.codegen.render import codegen_hash
 from maskc.codegen.spec import merge
 from maskc.runtime import autotune
 from maskc.runtime.configs import TileConfig, descriptors_enabled, forward_candidates, override_key, padded
@@ -143,7 +143,7 @@ def _tuning_key(q, k, v, mask, score) -> str:
     B, Hq, Lq, D = q.shape
     return (f"{mask.signature if mask else ''}|{score.signature if score else ''}|{q.dtype}|d{D}|dv{v.shape[3]}"
             f"|gqa{Hq != k.shape[1]}|{arch_of(q.device)}|lq{autotune.bucket(Lq)}|lkv{autotune.bucket(k.shape[2])}"
-            f"|templates {template_hash()}|maskc {__version__}|triton {triton.__version__}")
+            f"|codegen {codegen_hash()}|maskc {__version__}|triton {triton.__version__}")
 
 
 def _seconds(q, k, v, problem: Problem) -> float:

@@ -8,7 +8,7 @@ import torch
 import triton
 
 from maskc._version import __version__
-from maskc.codegen.render import KERNEL_NAMES, render, template_hash
+from maskc.codegen.render import KERNEL_NAMES, codegen_hash, render
 from maskc.codegen.spec import KernelSpec, dtype_name, merge
 from maskc.runtime import loader
 from maskc.runtime.cache import KERNELS
@@ -93,7 +93,7 @@ def kernel_for(kind, mask, score, dtype, head_dim, head_dim_v, gqa, block_size, 
         head_dim=head_dim, head_dim_v=head_dim_v, gqa=gqa, block_m=config.block_m, block_n=config.block_n,
         num_warps=config.num_warps, num_stages=config.num_stages,
         partial_stages=config.partial_stages, mask_expr=mask_expr, score_expr=score_expr)
-    digest = spec.digest(template_hash=template_hash(), versions=f"maskc {__version__} triton {triton.__version__}",
+    digest = spec.digest(codegen_hash=codegen_hash(), versions=f"maskc {__version__} triton {triton.__version__}",
                          arch=arch)
     source, path = KERNELS.source(f"{spec.file_stem}_{digest}", lambda: render(spec))
     kernel = CompiledKernel(spec, digest, source, path)
