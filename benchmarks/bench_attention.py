@@ -26,7 +26,9 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).parent))
 import maskc  # noqa: E402
+from maskc.runtime import attention  # noqa: E402
 from maskc.testing import attention_reference, dense_mask  # noqa: E402
+from maskc.trace.mods import as_mask_mod, as_score_mod  # noqa: E402
 from workloads import workloads  # noqa: E402
 
 flex = torch.compile(flex_attention, dynamic=False)
@@ -129,9 +131,11 @@ def run(args, L):
         keep = dense_mask(mask, L, L, device=dev)[0, 0] if mask is not None else None
         pairs = int(keep.sum()) if keep is not None else L * L
         flops = 4 * B * H * D * pairs * (3.5 if args.backward else 1.0)
-        spec = maskc.compile(mask, score, dtype=q.dtype, head_dim=D).spec
-        t_map = time_block_map(mask, L, (spec.block_m, spec.block_n), dev) if mask is not None else 0.0
         run_maskc = lambda: maskc.compiled_attention(q, k, v, mask_mod=mask, score_mod=score)  # noqa: E731
+        with torch.no_grad():
+            run_maskc()  # plans the call (and autotunes it when MASKC_AUTOTUNE=1): its tiles are known after
+        spec = attention._planned(q, k, v, as_mask_mod(mask), as_score_mod(score), None).kernel.spec
+        t_map = time_block_map(mask, L, (spec.block_m, spec.block_n), dev) if mask is not None else 0.0
         flex_bm = create_block_mask(mask.fn, None, None, L, L, device=dev) if mask is not None else None
         run_flex = lambda: flex(q, k, v, score_mod=score.fn if score else None, block_mask=flex_bm)  # noqa: E731
         timed_maskc, timed_flex = run_maskc, run_flex
@@ -159,7 +163,8 @@ def run(args, L):
                      err_ref, err_flex))
         print(f"{name:24s} maskc {tf(t_maskc):6.1f}  flex {tf(t_flex):6.1f}  "
               f"sdpa {tf(t_sdpa) if t_sdpa else float('nan'):6.1f} TFLOP/s | err vs f64 {err_ref:.1e} "
-              f"vs flex {err_flex:.1e}", flush=True)
+              f"vs flex {err_flex:.1e} | tiles {spec.block_m}x{spec.block_n}/{spec.num_warps}w/{spec.num_stages}s",
+              flush=True)
         assert err_ref < 2e-2 and err_flex < 2e-2 and math.isfinite(err_ref), f"{name}: maskc disagrees"
     return rows
 

@@ -16,7 +16,7 @@ from maskc.analysis.build import block_map as build_block_map
 from maskc.codegen.render import codegen_hash
 from maskc.codegen.spec import merge
 from maskc.runtime import autotune
-from maskc.runtime.configs import TileConfig, descriptors_enabled, forward_candidates, override_key, padded
+from maskc.runtime.configs import TileConfig, bh_group, descriptors_enabled, forward_candidates, override_key, padded
 from maskc.runtime.descriptors import DESCRIPTOR_MIN_PAIRS, descriptors
 from maskc.runtime.kernel import _DTYPES, CompiledKernel, arch_of, kernel_for
 from maskc.trace.mods import as_mask_mod, as_score_mod
@@ -221,7 +221,7 @@ def _forward_launch(q, k, v, problem: Problem) -> ForwardLaunch:
             K_UNMASKED=even_kv and D == d_pad, V_UNMASKED=even_kv and Dv == dv_pad,
             POSITIVE_SCALE=problem.scale > 0,
             DOT_PRECISION=dot_precision(q.dtype), ACC=triton_dtype(accumulator(q.dtype)),
-            PARTIAL_STAGES=spec.partial_stages,
+            PARTIAL_STAGES=spec.partial_stages, BH_GROUP=bh_group(D),
             num_warps=spec.num_warps, num_stages=spec.num_stages),
         blocks=((1, 1, spec.block_m, d_pad), (1, 1, spec.block_n, d_pad), (1, 1, spec.block_n, dv_pad),
                 (1, 1, spec.block_m, dv_pad)),

@@ -45,7 +45,8 @@ def override_key() -> tuple:
 
 
 def descriptors_enabled() -> bool:
-    """Whether the forward may load through tensor descriptors (TMA) where the inputs allow."""
+    """Whether the forward and backward kernels may load through tensor descriptors (TMA) where
+    the inputs allow."""
     return _overrides.get("descriptors", True)
 
 
@@ -89,6 +90,14 @@ def backward_config(head_dim: int, device_type: str) -> BackwardConfig:
         # tiles for dK/dV, 8 warps, beat 64×64 with 4 warps by a quarter on no mask and causal.
         return BackwardConfig(TileConfig(128, 64, 8, 3), TileConfig(64, 128, 8, 3))
     return BackwardConfig(TileConfig(64, 32, 4, 2), TileConfig(32, 64, 4, 2))
+
+
+def bh_group(head_dim: int) -> int:
+    """How many (b, h) pairs the forward's launch order interleaves (BH_GROUP in the template).
+    Two let the last pair's long causal q tiles start sooner: +3-4% on causal and prefix-LM
+    at D=128 on an H100; at D=64, where three programs fit per multiprocessor, 1% slower
+    (benchmarks/NOTES.md)."""
+    return 2 if padded(head_dim) > 64 else 1
 
 
 def padded(dim: int) -> int:
