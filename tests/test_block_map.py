@@ -208,6 +208,24 @@ def test_unsorted_document_ids(causal):
         assert_block_map_exact(mask, len(ids), len(ids) - 7, block_size)
 
 
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_document_boundaries_are_decided_without_dense_work(causal, monkeypatch):
+    # On a tile across a document boundary, ids[q_idx] - ids[kv_idx] ranges over an interval
+    # with an end at 0, attained: the tile surely mixes kept and dropped pairs. Only the tiles
+    # where a boundary crosses the diagonal (q and kv tiles both across it) remain to settle.
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([100, 250, 70, 90]))  # boundaries in 3 tiles
+    settled = []
+    real = build._Analysis._dense_verdict
+
+    def counted(self, tiles):
+        settled.append(len(tiles))
+        return real(self, tiles)
+
+    monkeypatch.setattr(build._Analysis, "_dense_verdict", counted)
+    assert_block_map_exact(masks.document(ids, causal=causal), 510, 510, (32, 32))
+    assert max(settled, default=0) <= 3  # per build (the exactness check builds more than once)
+
 @pytest.mark.parametrize("block_size", [(16, 32), (48, 16), (5, 3)])
 def test_out_of_range_table_index_reads_zero(block_size):
     table = torch.tensor([1, 0, 1, 1])  # distance q - kv in [-1, 2] only; elsewhere the kernel reads 0

@@ -61,13 +61,19 @@ def relation(rel, iv):
         full, empty, certain = lo > 0, hi <= 0, iv.tight
     elif isinstance(rel, (sympy.Equality, sympy.Unequality)):
         full, empty = (lo == 0) & (hi == 0), (lo > 0) | (hi < 0)
-        certain = iv.tight and iv.dense and lo.dtype == torch.int64
+        # A PARTIAL tile has lo <= 0 <= hi, lo < hi. With both ends attained (tight), an end
+        # at 0 is a kept pair and the other a dropped one; 0 strictly inside is attained only
+        # if every integer is (dense). The first case is every boundary tile of a document
+        # mask (ids[q_idx] == ids[kv_idx]), which would otherwise be settled pair by pair.
+        certain = False
+        if iv.tight and lo.dtype == torch.int64:
+            certain = (lo == 0) | (hi == 0) | iv.dense
         if isinstance(rel, sympy.Unequality):
             full, empty = empty, full
     else:
         raise ValueError(f"relation {rel} is not in canonical form")
     cls = torch.where(full, FULL, torch.where(empty, EMPTY, PARTIAL)).to(torch.int8)
-    return cls, torch.tensor(certain, device=cls.device).expand(cls.shape)
+    return cls, torch.as_tensor(certain, device=cls.device).expand(cls.shape)
 
 
 def classify_grid(expr, evaluator: IntervalEvaluator):
