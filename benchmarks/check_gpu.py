@@ -1,4 +1,5 @@
-"""GPU correctness sweep: ragged lengths, odd head dims, GQA, each load path, against float64.
+"""GPU correctness sweep: ragged lengths, odd head dims, GQA, each load path, against float64;
+forward for every tile config autotuning may choose, gradients for the backward's config.
 
     python benchmarks/check_gpu.py        # on a GPU machine
 
@@ -6,8 +7,9 @@ The CPU test suite runs the same generated kernels through Triton's interpreter;
 them compiled, on shapes the benchmarks never use (lengths that are not multiples of the
 tile, head dims that are not powers of two), with each tile config autotuning may choose
 through tensor descriptors (forced on however small the problem), and the default config
-through pointers as well. Prints one line per case and a
-count of failures at the end; exits non-zero if any case fails.
+through pointers as well; then dq, dk and dv against float64 autograd of the reference, through
+descriptors and pointers. Prints one line per case and a count of failures at the end; exits
+non-zero if any case fails.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 
 import maskc
 import maskc.runtime.attention as attention
+import maskc.runtime.backward as backward
 from maskc import masks, scores
 from maskc.runtime.configs import forward_candidates, use_config
 from maskc.testing import assert_close_to_reference, attention_reference
@@ -50,7 +53,8 @@ def late_keys(score, b, h, q_idx, kv_idx):
 
 def main():
     failures = 0
-    attention.DESCRIPTOR_MIN_PAIRS = 0  # descriptors wherever the layout allows, tiny or not
+    # descriptors wherever the layout allows, tiny or not
+    attention.DESCRIPTOR_MIN_PAIRS = backward.DESCRIPTOR_MIN_PAIRS = 0
     for (B, Hq, Hkv, Lq, Lkv, D, Dv), dtype in itertools.product(SHAPES, (torch.bfloat16, torch.float16)):
         q = torch.randn(B, Hq, Lq, D, device="cuda", dtype=dtype)
         k = torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=dtype)
@@ -75,8 +79,37 @@ def main():
                 except AssertionError as e:
                     failures += 1
                     print(f"FAIL  {label}: {e}")
+    failures += check_gradients()
     print(f"{failures} failures")
     sys.exit(1 if failures else 0)
+
+
+def check_gradients() -> int:
+    failures = 0
+    for (B, Hq, Hkv, Lq, Lkv, D, Dv) in SHAPES[:3]:
+        dtype = torch.bfloat16
+        q = torch.randn(B, Hq, Lq, D, device="cuda", dtype=dtype)
+        k = torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=dtype)
+        v = torch.randn(B, Hkv, Lkv, Dv, device="cuda", dtype=dtype)
+        d_out = torch.randn(B, Hq, Lq, Dv, device="cuda", dtype=dtype)
+        for name, mask, score in cases(Lq, Lkv, Hq):
+            kwargs = dict(mask_mod=mask, score_mod=score, enable_gqa=Hq != Hkv)
+            leaves = [t.double().requires_grad_() for t in (q, k, v)]
+            want = torch.autograd.grad(attention_reference(*leaves, **kwargs)[0], leaves, d_out.double())
+            for descriptors in (True, False):
+                label = f"grad {name:13s} B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} Lkv={Lkv} D={D} Dv={Dv} tma={descriptors}"
+                try:
+                    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                    with use_config(descriptors=descriptors):
+                        out = maskc.compiled_attention(*leaves, **kwargs)
+                    got = torch.autograd.grad(out, leaves, d_out)
+                    for what, g, w in zip(("dq", "dk", "dv"), got, want):
+                        assert_close_to_reference(g, w, dtype, what=what)
+                    print(f"ok    {label}")
+                except AssertionError as e:
+                    failures += 1
+                    print(f"FAIL  {label}: {e}")
+    return failures
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ from hypothesis import strategies as st
 
 import maskc
 from maskc import masks, scores
+from maskc.runtime import backward as backward_module
+from maskc.runtime.configs import use_config
 from maskc.testing import assert_close_to_reference, attention_reference
-from maskc.testing.strategies import attention_inputs
+from maskc.testing.strategies import AttentionInputs, attention_inputs
 
 
 @pytest.fixture(autouse=True)
@@ -35,6 +37,7 @@ def _check(inputs, d_out):
             assert got.abs().max() < 1e-4, f"{name} should be zero, got max {got.abs().max()}"
             continue
         assert_close_to_reference(got, want, inputs.dtype, name)
+    return grads
 
 
 @settings(max_examples=15)
@@ -102,3 +105,73 @@ def test_captured_tensor_requiring_grad_is_refused():
     q, k, v = (torch.randn(1, 1, 16, 16, requires_grad=True) for _ in range(3))
     with pytest.raises(NotImplementedError, match="requires grad"):
         maskc.compiled_attention(q, k, v, score_mod=bias)
+
+
+@pytest.fixture
+def descriptor_calls(monkeypatch):
+    """Per request for descriptors by the backward, whether it got them (True) or pointers (False)."""
+    calls = []
+    real = backward_module.descriptors
+
+    def spy(operands):
+        made = real(operands)
+        calls.append(made is not None)
+        return made
+
+    monkeypatch.setattr(backward_module, "descriptors", spy)
+    return calls
+
+
+def _randn(*shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+# Lengths that are not multiples of the CPU tiles (32), GQA groups, head dims padded to the
+# next power of two (48 -> 64, 24 -> 32): loads past L and D must read zeros and such rows
+# must not reach dq on either path.
+BOTH_PATHS = [
+    (1, 4, 2, 45, 37, 48, 24, masks.causal, None),
+    (2, 3, 1, 29, 70, 48, 48, masks.sliding_window(9), scores.softcap(5.0)),
+    (1, 2, 2, 40, 33, 32, 24, None, None),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Lq,Lkv,D,Dv,mask_mod,score_mod", BOTH_PATHS)
+def test_gradients_on_both_load_paths(B, Hq, Hkv, Lq, Lkv, D, Dv, mask_mod, score_mod, descriptor_calls):
+    inputs = AttentionInputs(_randn(B, Hq, Lq, D, seed=1), _randn(B, Hkv, Lkv, D, seed=2),
+                             _randn(B, Hkv, Lkv, Dv, seed=3), mask_mod, score_mod, None, enable_gqa=Hq != Hkv)
+    # strided along L: the backward copies it, then the copy can have a descriptor
+    d_out = _randn(B, Lq, Hq, Dv, seed=4).transpose(1, 2)
+    grads = {}
+    for tma in (True, False):
+        descriptor_calls.clear()
+        with use_config(descriptors=tma):
+            grads[tma] = _check(inputs, d_out)
+        # the dQ kernel on the path asked for (dK/dV always takes pointers)
+        assert descriptor_calls == ([True] if tma else [])
+    # the same values loaded, multiplied and summed: the paths agree far below the reference's tolerance
+    for name, with_tma, without in zip(("dq", "dk", "dv"), grads[True], grads[False]):
+        torch.testing.assert_close(with_tma, without, atol=1e-5, rtol=1e-5, msg=f"{name} differs between paths")
+
+
+def _unaligned(*shape, seed):
+    # contiguous, but starting 4 bytes past a 16-byte boundary: the copy engine refuses it
+    flat = _randn(1 + torch.Size(shape).numel(), seed=seed)
+    return flat[1:].view(shape)
+
+
+@pytest.mark.parametrize("case", ["unaligned d_out", "q strided along D", "odd row bytes"])
+def test_gradients_where_a_tensor_cannot_have_a_descriptor(case, descriptor_calls):
+    B, Hq, Hkv, Lq, Lkv, D, Dv = 1, 2, 1, 37, 45, 32, 32
+    q, k, v = _randn(B, Hq, Lq, D, seed=1), _randn(B, Hkv, Lkv, D, seed=2), _randn(B, Hkv, Lkv, Dv, seed=3)
+    d_out = _randn(B, Hq, Lq, Dv, seed=4)
+    if case == "unaligned d_out":
+        d_out = _unaligned(B, Hq, Lq, Dv, seed=4)
+    elif case == "q strided along D":  # dq = empty_like(q) has its strides too
+        q = _randn(B, Hq, D, Lq, seed=1).transpose(2, 3)
+    else:  # Dv = 18 float32: 72-byte rows of v, out, d_out and dv
+        v, d_out = v[..., :18].contiguous(), d_out[..., :18].contiguous()
+    inputs = AttentionInputs(q, k, v, masks.causal, None, None, enable_gqa=True)
+    _check(inputs, d_out)
+    # the dQ kernel asked for descriptors and fell back to pointers
+    assert descriptor_calls == [False]

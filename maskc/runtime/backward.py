@@ -1,14 +1,17 @@
 """The backward pass: autograd Function around the forward and the backward kernels.
 
 A preprocess kernel computes Delta = rowsum(dO * O); dQ runs over the block map, dK/dV
-over its transpose, summed over the query heads of a GQA group inside the kernel.
+over its transpose, summed over the query heads of a GQA group inside the kernel. dQ loads
+q, k, v and dO and stores dq through tensor descriptors where the forward would
+(maskc/runtime/descriptors.py); dK/dV keeps pointers, which measured faster there.
 """
 from __future__ import annotations
 
 import torch
 
 from maskc.runtime.attention import Problem, cached_block_map, dot_precision, forward, interpreter_safe, triton_dtype
-from maskc.runtime.configs import BackwardConfig, TileConfig, backward_config, padded
+from maskc.runtime.configs import BackwardConfig, TileConfig, backward_config, descriptors_enabled, padded
+from maskc.runtime.descriptors import DESCRIPTOR_MIN_PAIRS, descriptors
 from maskc.runtime.kernel import kernel_for
 
 
@@ -42,24 +45,34 @@ def backward(q, k, v, out, lse, d_out, problem: Problem):
     dtype = q.dtype
     q, k, v, out, d_out = interpreter_safe(q, k, v, out, d_out.contiguous())
     acc = triton_dtype(lse.dtype)
+    d_pad, dv_pad = padded(D), padded(Dv)
     delta = torch.empty_like(lse)
     kernel.function(problem.interpret, "attention_bwd_delta")[(-(-Lq // config.dq.block_m), B * Hq)](
-        out, d_out, delta, *out.stride(), *d_out.stride(), Hq, Lq, HEAD_DIM_V=Dv, DV_PAD=padded(Dv),
+        out, d_out, delta, *out.stride(), *d_out.stride(), Hq, Lq, HEAD_DIM_V=Dv, DV_PAD=dv_pad,
         BLOCK_M=config.dq.block_m, ACC=acc)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    shared = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, D_PAD=padded(D), DV_PAD=padded(Dv),
+    shared = dict(HEAD_DIM=D, HEAD_DIM_V=Dv, D_PAD=d_pad, DV_PAD=dv_pad,
                   DOT_PRECISION=dot_precision(q.dtype), ACC=acc)
     sizes = (Hq, Hq // Hkv, Lq, Lkv, problem.scale)
 
     dq_map = _map(problem, config.dq, Lq, Lkv, B, Hq)
     row_b, row_h = dq_map.kernel_rows(B, Hq)
+    tensors = (q, k, v, d_out, dq)
+    tma = None
+    # the forward's rule (see DESCRIPTOR_MIN_PAIRS): the interpreter ignores the size, so that
+    # CPU tests run the descriptor path. dK/dV measured 5-12% slower with descriptors on an
+    # H100 (dQ 5-18% faster), so only dQ takes them (benchmarks/NOTES.md).
+    if descriptors_enabled() and (problem.interpret or B * Hq * Lq * Lkv >= DESCRIPTOR_MIN_PAIRS):
+        m, n = config.dq.block_m, config.dq.block_n
+        blocks = ((1, 1, m, d_pad), (1, 1, n, d_pad), (1, 1, n, dv_pad), (1, 1, m, dv_pad), (1, 1, m, d_pad))
+        tma = descriptors(list(zip(tensors, blocks)))
     kernel.function(problem.interpret, "attention_bwd_dq")[(-(-Lq // config.dq.block_m), B * Hq)](
-        q, k, v, d_out, dq, lse, delta,
+        *(tma or tensors), lse, delta,
         *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *dq.stride(), *sizes,
         dq_map.full_offsets, dq_map.full_runs, dq_map.partial_offsets, dq_map.partial_runs, row_b, row_h,
-        *problem.extra, EVEN=Lkv % config.dq.block_n == 0, **shared, **_launch(config.dq))
+        *problem.extra, EVEN=Lkv % config.dq.block_n == 0, TMA=tma is not None, **shared, **_launch(config.dq))
 
     kv_map = _map(problem, config.dkdv, Lq, Lkv, B, Hq).transposed
     row_b, row_h = kv_map.kernel_rows(B, Hq)
