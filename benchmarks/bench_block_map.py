@@ -1,4 +1,5 @@
-"""Block-map build time for causal and sliding window at long lengths, CPU and GPU.
+"""Block-map build time for causal and sliding window at long lengths, and for a document
+mask (12 packed documents, causal: ids captured on the device), CPU and GPU.
 
     python benchmarks/bench_block_map.py
 
@@ -10,13 +11,19 @@ beside it on the GPU (it evaluates the mask densely and is expected to run out o
 """
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import maskc
 
+sys.path.insert(0, str(Path(__file__).parent))
+from workloads import document_ids  # noqa: E402
+
 LENGTHS = (131072, 1048576)
+DOCUMENT_LENGTHS = (8192, 131072)
 
 
 def _sync():
@@ -57,6 +64,12 @@ def main():
                 ms = median_ms(lambda: maskc.block_map(mask, L, L, block_size=(128, 128), device=dev))
                 flex = flex_ms(mask, L) if dev == "cuda" and L == LENGTHS[0] else "—"
                 print(f"| {mask.__name__} | {L} | {dev} | {ms:.3f} | {flex} |", flush=True)
+    for L in DOCUMENT_LENGTHS:
+        for dev in devices:
+            mask = maskc.masks.document(document_ids(L, 12, dev), causal=True)
+            ms = median_ms(lambda: maskc.block_map(mask, L, L, block_size=(128, 128), device=dev))
+            flex = flex_ms(mask, L) if dev == "cuda" else "—"
+            print(f"| {mask.__name__} (12) | {L} | {dev} | {ms:.3f} | {flex} |", flush=True)
 
 
 if __name__ == "__main__":
