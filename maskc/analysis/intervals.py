@@ -283,25 +283,33 @@ class TensorSummaries:
         self._tables = {}
 
     def _table(self, slot):
+        """Level k holds the min (max) of each run of 2^k entries, padded to the full length so
+        that the levels stack into one [levels, rows, n] tensor: a query is then one gather,
+        with no per-level selection (each would be a host sync on a GPU). Kept in the tensor's
+        own dtype (bool as uint8), which holds its minima and maxima exactly."""
         if slot not in self._tables:
             t = self.tensors[slot]
             base = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
-            base = base.to(torch.float64 if t.dtype.is_floating_point else torch.int64)
-            mins, maxs = [base], [base]
-            width = 1
-            while 2 * width <= base.shape[-1]:
-                prev_min, prev_max = mins[-1], maxs[-1]
-                mins.append(torch.minimum(prev_min[:, :-width], prev_min[:, width:]))
-                maxs.append(torch.maximum(prev_max[:, :-width], prev_max[:, width:]))
-                width *= 2
+            if base.dtype == torch.bool:
+                base = base.to(torch.uint8)
+            n = base.shape[-1]
+            levels = max(1, n.bit_length())  # 2^(levels-1) <= n
+            mins = base.new_zeros((levels, *base.shape))
+            maxs = base.new_zeros((levels, *base.shape))
+            mins[0], maxs[0] = base, base
+            for k in range(1, levels):
+                half, width = 1 << (k - 1), n - (1 << k) + 1
+                torch.minimum(mins[k - 1, :, :width], mins[k - 1, :, half:half + width], out=mins[k, :, :width])
+                torch.maximum(maxs[k - 1, :, :width], maxs[k - 1, :, half:half + width], out=maxs[k, :, :width])
             self._tables[slot] = (mins, maxs)
         return self._tables[slot]
 
     def range(self, slot, index):
         t = self.tensors[slot]
         mins, maxs = self._table(slot)
+        dtype = torch.float64 if t.dtype.is_floating_point else torch.int64
         if t.dim() == 0:
-            v = mins[0][0, 0]
+            v = mins[0, 0, 0].to(dtype)
             return v, v
         n = t.shape[-1]
         inside = torch.tensor(True, device=t.device)
@@ -315,18 +323,13 @@ class TensorSummaries:
         first = last.lo.clamp(0, n - 1)
         final = last.hi.clamp(0, n - 1)
         first, final, row = torch.broadcast_tensors(first, final, row)
+        # floor(log2(m)) is exact in float64: log2 of an integer below 2^52 that is not a power
+        # of two lies more than 1/m from an integer, far beyond float64's rounding
         level = torch.log2((final - first + 1).to(torch.float64)).floor().to(torch.int64)
-        lo = torch.empty(first.shape, dtype=mins[0].dtype, device=t.device)
-        hi = torch.empty(first.shape, dtype=mins[0].dtype, device=t.device)
-        for k in range(len(mins)):
-            sel = level == k
-            if not bool(sel.any()):
-                continue
-            span = 1 << k
-            a, b, r = first[sel], final[sel] - span + 1, row[sel]
-            lo[sel] = torch.minimum(mins[k][r, a], mins[k][r, b])
-            hi[sel] = torch.maximum(maxs[k][r, a], maxs[k][r, b])
-        zero = torch.zeros((), dtype=lo.dtype, device=t.device)
+        other = final - (1 << level) + 1
+        lo = torch.minimum(mins[level, row, first], mins[level, row, other]).to(dtype)
+        hi = torch.maximum(maxs[level, row, first], maxs[level, row, other]).to(dtype)
+        zero = torch.zeros((), dtype=dtype, device=t.device)
         outside = (last.lo < 0) | (last.hi >= n) | ~inside
         nowhere = (last.hi < 0) | (last.lo >= n) | ~inside
         lo = torch.where(nowhere, zero, torch.where(outside, torch.minimum(lo, zero), lo))
