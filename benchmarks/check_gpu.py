@@ -20,7 +20,6 @@ import torch
 
 import maskc
 import maskc.runtime.attention as attention
-import maskc.runtime.backward as backward
 from maskc import masks, scores
 from maskc.runtime.configs import forward_candidates, use_config
 from maskc.testing import assert_close_to_reference, attention_reference
@@ -53,8 +52,7 @@ def late_keys(score, b, h, q_idx, kv_idx):
 
 def main():
     failures = 0
-    # descriptors wherever the layout allows, tiny or not
-    attention.DESCRIPTOR_MIN_PAIRS = backward.DESCRIPTOR_MIN_PAIRS = 0
+    attention.DESCRIPTOR_MIN_PAIRS = 0  # descriptors wherever the layout allows, tiny or not
     for (B, Hq, Hkv, Lq, Lkv, D, Dv), dtype in itertools.product(SHAPES, (torch.bfloat16, torch.float16)):
         q = torch.randn(B, Hq, Lq, D, device="cuda", dtype=dtype)
         k = torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=dtype)

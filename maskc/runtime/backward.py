@@ -11,7 +11,7 @@ import torch
 
 from maskc.runtime.attention import Problem, cached_block_map, dot_precision, forward, interpreter_safe, triton_dtype
 from maskc.runtime.configs import BackwardConfig, TileConfig, backward_config, descriptors_enabled, padded
-from maskc.runtime.descriptors import DESCRIPTOR_MIN_PAIRS, descriptors
+from maskc.runtime.descriptors import descriptors
 from maskc.runtime.kernel import kernel_for
 
 
@@ -61,10 +61,10 @@ def backward(q, k, v, out, lse, d_out, problem: Problem):
     row_b, row_h = dq_map.kernel_rows(B, Hq)
     tensors = (q, k, v, d_out, dq)
     tma = None
-    # the forward's rule (see DESCRIPTOR_MIN_PAIRS): the interpreter ignores the size, so that
-    # CPU tests run the descriptor path. dK/dV measured 5-12% slower with descriptors on an
-    # H100 (dQ 5-18% faster), so only dQ takes them (benchmarks/NOTES.md).
-    if descriptors_enabled() and (problem.interpret or B * Hq * Lq * Lkv >= DESCRIPTOR_MIN_PAIRS):
+    # where the forward's launch found descriptors worth their host cost (DESCRIPTOR_MIN_PAIRS).
+    # dK/dV measured 5-12% slower with descriptors on an H100 (dQ 5-18% faster), so only dQ
+    # takes them (benchmarks/NOTES.md).
+    if problem.launch.descriptors and descriptors_enabled():
         m, n = config.dq.block_m, config.dq.block_n
         blocks = ((1, 1, m, d_pad), (1, 1, n, d_pad), (1, 1, n, dv_pad), (1, 1, m, dv_pad), (1, 1, m, d_pad))
         tma = descriptors(list(zip(tensors, blocks)))
