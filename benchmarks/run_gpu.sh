@@ -4,5 +4,5 @@
 set -e
 rm -rf /tmp/maskc_site
 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/maskc_site . >/dev/null
-export PYTHONPATH=/tmp/maskc_site PYTHONUNBUFFERED=1 MASKC_CACHE_DIR=${MASKC_CACHE_DIR:-/tmp/maskc_cache}
+export PYTHONPATH=/tmp/maskc_site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MASKC_CACHE_DIR=${MASKC_CACHE_DIR:-/tmp/maskc_cache}
 cd /tmp && python3 "$OLDPWD/$1" "${@:2}"

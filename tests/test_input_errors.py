@@ -184,6 +184,20 @@ def test_block_map_for_other_batch_or_heads():
     _raises(ValueError, ["H=4", "H=2"], attention, q, k, v, mask_mod=per_head, block_map=bm)
 
 
+def test_block_map_on_another_device():
+    q, k, v = _qkv()
+    bm = maskc.block_map(masks.causal, 40, 40, block_size=(32, 32)).to("meta")
+    _raises(ValueError, ["block_map", "meta", "cpu", "block_map.to('cpu')"], attention, q, k, v,
+            mask_mod=masks.causal, block_map=bm)
+
+
+def test_block_map_that_records_no_mask():
+    q, k, v = _qkv()
+    bm = maskc.block_map(masks.causal, 40, 40, block_size=(32, 32)).transposed  # a map of tiles alone
+    _raises(ValueError, ["block_map", "records no mask", "maskc.block_map("], attention, q, k, v,
+            mask_mod=masks.causal, block_map=bm)
+
+
 def test_block_map_of_batch_mask_needs_B():
     def per_batch(b, h, q_idx, kv_idx):
         return (b == 0) | (q_idx >= kv_idx)

@@ -4,9 +4,10 @@ import sympy
 import torch
 
 import maskc
-from maskc.codegen.printer import TritonPrinter, tensor_args
+from maskc.codegen.printer import Printed, TritonPrinter, tensor_args
 from maskc.testing import assert_close_to_reference, attention_reference
-from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE, LoadBool, LoadFloat, LoadInt, param_symbol
+from maskc.trace.symbols import (B, H, KV_IDX, Q_IDX, SCORE, BitAnd, BitOr, BitXor, LeftShift, LoadBool, LoadFloat,
+                                 LoadInt, RightShift, Trunc, param_symbol)
 
 P0_INT = param_symbol(0, True)
 P0_FLOAT = param_symbol(0, False)
@@ -28,7 +29,7 @@ def show(expr) -> str:
     (sympy.Mod(Q_IDX, P0_INT), "_mod(q_idx, p0)"),
     (sympy.Mod(Q_IDX - KV_IDX, P0_INT), "_mod((q_idx + (-1 * kv_idx)), p0)"),
     (sympy.Mod(LoadInt(0, Q_IDX), 4),
-     "_mod(tl.load(T0 + (q_idx) * T0_stride0, mask=(((q_idx) >= 0) & ((q_idx) < T0_size0)) != 0, other=0), 4)"),
+     "_mod(_widen(tl.load(T0 + (q_idx) * T0_stride0, mask=(((q_idx) >= 0) & ((q_idx) < T0_size0)) != 0, other=0)), 4)"),
     # nonnegative dividend, positive literal divisor: the plain operators agree with Python
     (sympy.floor(Q_IDX / 3), "(q_idx // 3)"),
     (sympy.floor((Q_IDX + KV_IDX) / 4), "((kv_idx + q_idx) // 4)"),
@@ -80,6 +81,91 @@ def test_numbers_and_arithmetic(expr, text):
     assert show(expr) == text
 
 
+# -- the rest of torch's vocabulary (issue 11) ------------------------------------------------
+@pytest.mark.parametrize("expr,text", [
+    # exp2 and powers: torch.exp2 is Pow(2, x); integer exponents written as floats multiply
+    (2**SCORE, "tl.math.exp2(score)"),
+    (3**SCORE, "tl.math.exp2(1.584962500721156 * score)"),
+    (SCORE**2.0, "(score * score)"),
+    (SCORE**0.5, "tl.sqrt(score)"),
+    (SCORE**P0_FLOAT, "tl.exp(p0 * tl.log(score))"),
+    # an integer exponent is converted to float, as torch.exp2 converts it
+    (2 ** (-4 * (H + 1)), "tl.math.exp2(((-4 + (-4 * off_h))).to(tl.float32))"),
+    (sympy.exp(Q_IDX - KV_IDX), "tl.exp((q_idx_f + (-1.0 * kv_idx_f)))"),  # positions as float vectors
+    (sympy.sqrt(sympy.pi) * SCORE, "(score * 1.772453850905516)"),  # a function of numbers: its correctly rounded value
+    (sympy.sin(SCORE / 2), "tl.sin((0.5 * score))"),
+    (sympy.cos(SCORE), "tl.cos(score)"),
+    (sympy.erf(SCORE), "tl.math.erf(score)"),
+    (sympy.ceiling(Q_IDX / 3), "_ceildiv(q_idx, 3)"),
+    (sympy.ceiling(SCORE), "tl.ceil(score)"),
+    # steps: sign(0) = 0 as torch.sign; Heaviside's value at 0 is its second argument
+    (sympy.sign(SCORE), "_sign(score)"),
+    (sympy.Heaviside(SCORE, 1), "tl.where(score >= 0, 1.0, 0.0)"),
+    (sympy.Heaviside(SCORE, 0), "tl.where(score > 0, 1.0, 0.0)"),
+    (sympy.Heaviside(SCORE), "tl.where(score > 0, 1.0, tl.where(score == 0, 0.5, 0.0))"),
+    (sympy.ITE(Q_IDX >= KV_IDX, SCORE > 0, KV_IDX > 3), "tl.where((q_idx >= kv_idx), (score > 0), (kv_idx > 3))"),
+    # integer operations: torch's, shifts past the width included
+    (BitAnd(Q_IDX, 3), "(q_idx & 3)"),
+    (BitOr(Q_IDX, KV_IDX), "(q_idx | kv_idx)"),
+    (BitXor(Q_IDX, KV_IDX), "(q_idx ^ kv_idx)"),
+    (RightShift(Q_IDX, P0_INT), "_rshift(q_idx, p0)"),
+    (LeftShift(1, KV_IDX), "_lshift(1, kv_idx)"),
+    (Trunc(SCORE * 4), "((4 * score)).to(tl.int64)"),
+    (Trunc(sympy.Float(-2.5)), "-2"),
+], ids=str)
+def test_torch_vocabulary(expr, text):
+    assert show(expr) == text
+
+
+@pytest.mark.parametrize("expr,advice", [
+    (sympy.DiracDelta(SCORE), "derivative of sign and Heaviside as 0, as torch does"),
+    (sympy.Derivative(sympy.floor(SCORE), SCORE), "score_derivative, which says where"),
+], ids=["DiracDelta", "Derivative"])
+def test_derivatives_sympy_leaves_are_refused_with_the_reason(expr, advice):
+    with pytest.raises(ValueError, match=f"cannot print {type(expr).__name__}.*{advice}"):
+        show(expr)
+
+
+# -- shared subexpressions: statements before the value --------------------------------------
+def test_shared_subexpressions_are_named_once():
+    x = sympy.Piecewise((SCORE * 2, Q_IDX >= KV_IDX), (SCORE - 1, True))
+    assert TritonPrinter().block([sympy.Max(x, 0) + sympy.exp(x)], "_score") == [Printed(
+        ("_score0 = tl.where((kv_idx <= q_idx), (2 * score), (-1 + score))",),
+        "(tl.maximum(0, _score0) + tl.exp(_score0))")]
+
+
+def test_names_are_shared_across_the_expressions_of_a_block():
+    # the backward prints the score and its derivative in one scope: tanh is computed once
+    x = sympy.tanh(SCORE / 30)
+    assert TritonPrinter().block([30 * x, 1 - x**2], "_score") == [
+        Printed(("_score0 = _tanh((0.03333333333333333 * score))",), "(30 * _score0)"),
+        Printed((), "(1 + (-1 * (_score0 * _score0)))")]
+
+
+def test_single_uses_and_short_repeats_stay_inline():
+    # a sliding window prints as it reads; q_idx - kv_idx is short enough to repeat
+    window = sympy.And(sympy.GreaterThan(Q_IDX - KV_IDX, 0), sympy.Eq(sympy.Mod(Q_IDX - KV_IDX, 4), 0))
+    assert TritonPrinter().block([window], "_mask") == [
+        Printed((), "(((q_idx + (-1 * kv_idx)) >= 0) & (_mod((q_idx + (-1 * kv_idx)), 4) == 0))")]
+    assert TritonPrinter().block([window], "_mask")[0].value == show(window)
+
+
+def test_a_load_used_twice_is_loaded_once():
+    doc = LoadInt(0, Q_IDX)
+    (printed,) = TritonPrinter().block([sympy.And(sympy.Eq(doc - LoadInt(0, KV_IDX), 0), doc >= 1)], "_mask")
+    assert printed.statements == ("_mask0 = " + show(doc),)
+    assert printed.value.count("tl.load(") == 1 and printed.value.count("_mask0") == 2
+
+
+def test_nested_where_prints_in_linear_size():
+    x = SCORE
+    for i in range(20):
+        x = sympy.Piecewise((x * 0.9 + i, Q_IDX - KV_IDX >= i), (x - 1, True))
+    (printed,) = TritonPrinter().block([x], "_score")
+    # 2**20 copies of `score` as a tree; one statement per level here
+    assert len(printed.statements) < 45 and sum(map(len, printed.statements)) < 4000
+
+
 # -- positions inside float expressions -----------------------------------------------------
 @pytest.mark.parametrize("expr,text", [
     (SCORE + (KV_IDX - Q_IDX) * P0_FLOAT, "(score + (p0 * (kv_idx_f + (-1.0 * q_idx_f))))"),  # ALiBi
@@ -114,16 +200,18 @@ def test_piecewise_without_default_is_an_error():
 
 # -- captured-tensor loads ------------------------------------------------------------------
 @pytest.mark.parametrize("expr,text", [
-    (LoadInt(0, Q_IDX), "tl.load(T0 + (q_idx) * T0_stride0, mask=(((q_idx) >= 0) & ((q_idx) < T0_size0)) != 0, other=0)"),
+    (LoadInt(0, Q_IDX),
+     "_widen(tl.load(T0 + (q_idx) * T0_stride0, mask=(((q_idx) >= 0) & ((q_idx) < T0_size0)) != 0, other=0))"),
     (LoadBool(2, KV_IDX),
-     "tl.load(T2 + (kv_idx) * T2_stride0, mask=(((kv_idx) >= 0) & ((kv_idx) < T2_size0)) != 0, other=0)"),
+     "_widen(tl.load(T2 + (kv_idx) * T2_stride0, mask=(((kv_idx) >= 0) & ((kv_idx) < T2_size0)) != 0, other=0))"),
     (LoadFloat(1, H, Q_IDX - KV_IDX),
-     "tl.load(T1 + (off_h) * T1_stride0 + ((q_idx + (-1 * kv_idx))) * T1_stride1, "
+     "_widen(tl.load(T1 + (off_h) * T1_stride0 + ((q_idx + (-1 * kv_idx))) * T1_stride1, "
      "mask=(((off_h) >= 0) & ((off_h) < T1_size0) & (((q_idx + (-1 * kv_idx))) >= 0) & "
-     "(((q_idx + (-1 * kv_idx))) < T1_size1)) != 0, other=0)"),
-    (LoadInt(0), "tl.load(T0)"),
+     "(((q_idx + (-1 * kv_idx))) < T1_size1)) != 0, other=0))"),
+    (LoadInt(0), "_widen(tl.load(T0))"),
 ], ids=str)
-def test_loads_are_masked_to_the_tensor(expr, text):
+def test_loads_are_masked_to_the_tensor_and_widened(expr, text):
+    # _widen (templates/_prelude.py.jinja): float16/bfloat16 become float32, small integers int32
     assert show(expr) == text
 
 
@@ -143,11 +231,11 @@ def test_tensor_args():
 # -- what the printer does not know ---------------------------------------------------------
 @pytest.mark.parametrize("expr,name", [
     pytest.param(sympy.Function("mystery")(Q_IDX), "mystery"),
-    pytest.param(sympy.sin(SCORE), "sin"),
+    pytest.param(sympy.asin(SCORE), "asin"),
     pytest.param(sympy.zoo, "ComplexInfinity"),
     pytest.param(sympy.Integral(SCORE, SCORE), "Integral"),
     pytest.param(sympy.I, "ImaginaryUnit"),
-], ids=["undefined_function", "sin", "zoo", "Integral", "I"])
+], ids=["undefined_function", "asin", "zoo", "Integral", "I"])
 def test_unknown_nodes_raise_value_error_naming_them(expr, name):
     with pytest.raises(ValueError, match=f"cannot print {name}"):
         show(expr)

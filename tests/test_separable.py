@@ -21,6 +21,8 @@ P0 = param_symbol(0, False)
     P0 * SCORE + LoadFloat(2, B, H),
     SCORE + sympy.Piecewise((0, KV_IDX >= 40), (-sympy.oo, True)),
     SCORE,
+    SCORE + 2 ** (-4 * (H + 1)) * (KV_IDX - Q_IDX),  # ALiBi's slopes from torch.exp2
+    SCORE * P0 * SLOPE - TABLE_KV,
 ], ids=str)
 def test_split_adds_up_to_the_expression(expr):
     split = separate(expr)
@@ -69,6 +71,15 @@ def test_columns_that_are_not_polynomials_are_not_centred():
 ], ids=str)
 def test_what_does_not_split(expr):
     assert separate(expr) is None
+
+
+def test_shared_subexpressions_are_visited_once():
+    # nested torch.where: 2**30 leaves as a tree, which free_symbols or sympy.diff would walk
+    x = SCORE
+    for i in range(30):
+        x = sympy.Piecewise((x * 0.9 + i, Q_IDX - KV_IDX >= i), (x - 1, True))
+    assert separate(x) is None
+    assert separate(SCORE + x.subs(SCORE, 0)) is None  # mixes q_idx and kv_idx
 
 
 def test_no_score_mod():

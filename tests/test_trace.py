@@ -61,8 +61,8 @@ def uses_float(b, h, q_idx, kv_idx):
     return float(q_idx) >= kv_idx
 
 
-def uses_sin(b, h, q_idx, kv_idx):
-    return torch.sin(q_idx) >= 0
+def uses_cumsum(b, h, q_idx, kv_idx):
+    return torch.cumsum(q_idx, 0) >= 0
 
 
 def returns_number(b, h, q_idx, kv_idx):
@@ -77,12 +77,12 @@ def indexes_with_too_few(b, h, q_idx, kv_idx):
     return TABLE_2D[q_idx] == kv_idx
 
 
-def ands_integers(b, h, q_idx, kv_idx):
-    return (q_idx >= kv_idx) & (q_idx - kv_idx)
+def ands_floats(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx * 0.5)
 
 
-def inverts_integer(b, h, q_idx, kv_idx):
-    return ~(q_idx - kv_idx) >= 0
+def inverts_float(b, h, q_idx, kv_idx):
+    return ~(q_idx * 0.5) >= 0
 
 
 def combines_string(b, h, q_idx, kv_idx):
@@ -93,8 +93,8 @@ def score_returns_bool(score, b, h, q_idx, kv_idx):
     return score >= 0
 
 
-def score_uses_sin(score, b, h, q_idx, kv_idx):
-    return torch.sin(score)
+def score_uses_cumsum(score, b, h, q_idx, kv_idx):
+    return torch.cumsum(score, 0)
 
 
 def _helper_with_max(q_idx, kv_idx):
@@ -109,7 +109,7 @@ CONTROL_FLOW = "Python control flow"
 WHERE_FIX = "use torch.where(cond, a, b), torch.minimum/maximum, or & | ~ instead"
 TO_INT = "converts a traced value to a Python int"
 INT_FIX = "index a captured torch tensor instead"
-UNSUPPORTED_FIX = "use + - * / // % comparisons & | ~ torch.where/minimum/maximum/abs/clamp"
+UNSUPPORTED_FIX = "use + - * / // % comparisons & | ~ << >> torch.where/minimum/maximum/abs/clamp"
 
 # (function, kind, line of the offence relative to the def, what, fix)
 UNTRACEABLE = [
@@ -123,19 +123,20 @@ UNTRACEABLE = [
     (uses_int, "mask_mod", 1, TO_INT, INT_FIX),
     (uses_range, "mask_mod", 1, TO_INT, INT_FIX),
     (uses_float, "mask_mod", 1, "converts a traced value to a Python float", "keep the value symbolic"),
-    (uses_sin, "mask_mod", 1, "calls torch.sin, which maskc cannot trace", UNSUPPORTED_FIX),
+    (uses_cumsum, "mask_mod", 1, "calls torch.cumsum, which maskc cannot trace", UNSUPPORTED_FIX),
     (slices_table, "mask_mod", 1, "slices a captured tensor with ':', '...' or None",
      "index it with one traced value or integer per dimension"),
     (indexes_with_too_few, "mask_mod", 1, "indexes a captured tensor of 2 dimensions with 1 indices",
      "give one index per dimension"),
-    (ands_integers, "mask_mod", 1, "applies '&' to a non-boolean value", "compare it first"),
-    (inverts_integer, "mask_mod", 1, "applies '~' to a non-boolean value", "build the condition first"),
+    (ands_floats, "mask_mod", 1, "applies '&' to a floating-point value", "convert with .long() first"),
+    (inverts_float, "mask_mod", 1, "applies '~' to a floating-point value", "convert with .long() first"),
     (combines_string, "mask_mod", 1, "combines a traced value with an object of type str",
      "use Python numbers, captured tensors indexed by traced values"),
     # the result is checked after the function returns: the message points at its def line
     (returns_number, "mask_mod", 0, "returns the non-boolean value -kv_idx + q_idx", "return a comparison"),
     (score_returns_bool, "score_mod", 0, "returns the boolean value score >= 0", "to mask, write a mask_mod"),
-    (score_uses_sin, "score_mod", 1, "calls torch.sin, which maskc cannot trace", "torch.exp/log/tanh/sigmoid/sqrt"),
+    (score_uses_cumsum, "score_mod", 1, "calls torch.cumsum, which maskc cannot trace",
+     "compute the value outside the mod and capture it in a tensor"),
 ]
 
 
@@ -316,8 +317,9 @@ def test_mask_mod_stays_callable():
 IDS = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8])
 
 TRACEABLE = [
-    (lambda b, h, q_idx, kv_idx: torch.where(q_idx > 5, q_idx - kv_idx, kv_idx - q_idx) <= 2, sympy.Piecewise),
-    (lambda b, h, q_idx, kv_idx: torch.where(h == 1, q_idx >= kv_idx, q_idx < kv_idx), sympy.Or),
+    # a comparison of a number-valued where becomes comparisons in its branches
+    (lambda b, h, q_idx, kv_idx: torch.where(q_idx > 5, q_idx - kv_idx, kv_idx - q_idx) <= 2, sympy.Or),
+    (lambda b, h, q_idx, kv_idx: torch.where(h == 1, q_idx >= kv_idx, q_idx < kv_idx), sympy.Xor),
     (lambda b, h, q_idx, kv_idx: torch.minimum(q_idx, kv_idx) >= 3, sympy.Min),
     (lambda b, h, q_idx, kv_idx: torch.maximum(q_idx, kv_idx + b) <= 6, sympy.Max),
     (lambda b, h, q_idx, kv_idx: torch.abs(q_idx - kv_idx) <= 2, sympy.Abs),
@@ -326,7 +328,7 @@ TRACEABLE = [
     (lambda b, h, q_idx, kv_idx: (q_idx - 7) // 3 == (kv_idx - 7) // 3, sympy.floor),
     (lambda b, h, q_idx, kv_idx: (kv_idx - q_idx) % 3 == 1, sympy.Mod),
     (lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) ^ (kv_idx < 4), sympy.Xor),
-    (lambda b, h, q_idx, kv_idx: ((q_idx >= kv_idx) * 2 + (kv_idx < 3)) >= 2, sympy.Piecewise),
+    (lambda b, h, q_idx, kv_idx: ((q_idx >= kv_idx) * 2 + (kv_idx < 3)) >= 2, sympy.GreaterThan),
     (lambda b, h, q_idx, kv_idx: IDS[q_idx] - IDS[kv_idx] >= -1, LoadInt),
     (lambda b, h, q_idx, kv_idx: torch.logical_and(q_idx >= kv_idx, torch.logical_not(kv_idx == 2)), sympy.And),
     (lambda b, h, q_idx, kv_idx: q_idx / 2 > kv_idx - h, sympy.StrictGreaterThan),

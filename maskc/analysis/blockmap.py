@@ -32,11 +32,16 @@ class BlockMap:
     """
 
     def __init__(self, pieces: Pieces | HostPieces, *, q_len: int, kv_len: int, block_size: tuple[int, int],
-                 mask_name: str = "mask", mask_mod=None, device=None):
+                 mask_name: str = "mask", mask_mod=None, traced=None, device=None):
         self.q_len, self.kv_len = q_len, kv_len
         self.block_size = tuple(block_size)
         self.mask_name = mask_name
         self.mask_mod = mask_mod
+        # What the tiles were classified from, for compiled_attention to refuse the map for
+        # anything else: the trace (signature, parameter values, captured tensors, which it
+        # keeps alive, so their ids stay theirs) and each captured tensor's version then.
+        self.traced = traced
+        self.tensor_versions = tuple(t._version for t in traced.tensors) if traced is not None else ()
         self.B, self.H, self.n_q = pieces.starts.shape[:3]
         self.n_kv = pieces.n_kv
         buffer, self._n_full = pieces.run_tables(self.B * self.H * self.n_q)

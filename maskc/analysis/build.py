@@ -40,11 +40,17 @@ def block_map(mask_mod, q_len: int, kv_len: int, *, block_size=(128, 128), B: in
     per (b, h), otherwise one shared set.
     """
     mm = as_mask_mod(mask_mod)
+    return block_map_of_trace(mm, mm.traced, q_len, kv_len, block_size=block_size, B=B, H=H, device=device)
+
+
+def block_map_of_trace(mm, traced, q_len: int, kv_len: int, *, block_size=(128, 128), B: int | None = None,
+                       H: int | None = None, device=None) -> BlockMap:
+    """block_map() of one trace of the MaskMod `mm`: the runtime builds the maps of a call from
+    the trace its kernel runs with, read once per call, not from a later re-trace of `mm`."""
     bm, bn = block_size = _block_size(block_size)
     for name, value in (("q_len", q_len), ("kv_len", kv_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}; pass the sequence length")
-    traced = mm.traced
     free = _free_symbols(traced.expr)
     n_b = _dim(mm, free, S.B, B, "B", "batch size")
     n_h = _dim(mm, free, S.H, H, "H", "number of query heads")
@@ -60,7 +66,7 @@ def block_map(mask_mod, q_len: int, kv_len: int, *, block_size=(128, 128), B: in
         pieces = ctx.pieces(traced.expr)
     pieces = ctx.settle(pieces.expand(broadcast(pieces.starts.shape[:3], (1, 1, ctx.n_q))))
     return BlockMap(pieces, q_len=q_len, kv_len=kv_len, block_size=block_size, mask_name=mm.__name__, mask_mod=mm,
-                    device=device)
+                    traced=traced, device=device)
 
 
 def _work_device(traced, target: torch.device) -> torch.device:
@@ -277,7 +283,15 @@ def _kv_linear(rel):
     rest, kv_part = diff.as_independent(S.KV_IDX, as_Add=True)
     if S.KV_IDX in rest.free_symbols:
         return None
-    return sympy.simplify(kv_part / S.KV_IDX), rest
+    # term by term, never sympy.simplify: a bit-interleaving (Morton) mask's atoms run to
+    # hundreds of operations, where simplify took minutes to say "not linear"
+    a = sympy.Integer(0)
+    for term in sympy.Add.make_args(kv_part):
+        coefficient, factor = term.as_independent(S.KV_IDX, as_Add=False)
+        if factor != S.KV_IDX:
+            return None
+        a += coefficient
+    return a, rest
 
 
 @functools.lru_cache(maxsize=1024)

@@ -3,7 +3,8 @@
 A verdict is a pair of tensors: `cls` (EMPTY=0, PARTIAL=1, FULL=2) and `certain`, true
 where a PARTIAL verdict is known to be exact (the tile really mixes kept and dropped
 pairs). FULL and EMPTY are always exact; an uncertain PARTIAL is settled later by dense
-evaluation of that tile alone.
+evaluation of that tile alone. A comparison whose range has a NaN end (the value may be NaN,
+which every comparison but != rejects) is an uncertain PARTIAL.
 """
 from __future__ import annotations
 
@@ -53,11 +54,15 @@ def combine_xor(a, b):
 
 
 def relation(rel, iv):
-    """Verdict of a canonical relation `e OP 0` from the interval of e."""
+    """Verdict of a relation `e OP 0` from the interval of e = lhs - rhs. Relations are
+    canonical (`e >= 0`, `e > 0`, Eq, Ne), except in Piecewise conditions, which sympy may
+    turn round (`-e <= 0`)."""
     lo, hi = iv.lo, iv.hi
-    if isinstance(rel, sympy.GreaterThan):
+    if isinstance(rel, (sympy.LessThan, sympy.StrictLessThan)):
+        lo, hi = -hi, -lo
+    if isinstance(rel, (sympy.GreaterThan, sympy.LessThan)):
         full, empty, certain = lo >= 0, hi < 0, iv.tight
-    elif isinstance(rel, sympy.StrictGreaterThan):
+    elif isinstance(rel, (sympy.StrictGreaterThan, sympy.StrictLessThan)):
         full, empty, certain = lo > 0, hi <= 0, iv.tight
     elif isinstance(rel, (sympy.Equality, sympy.Unequality)):
         full, empty = (lo == 0) & (hi == 0), (lo > 0) | (hi < 0)
@@ -71,23 +76,40 @@ def relation(rel, iv):
         if isinstance(rel, sympy.Unequality):
             full, empty = empty, full
     else:
-        raise ValueError(f"relation {rel} is not in canonical form")
-    cls = torch.where(full, FULL, torch.where(empty, EMPTY, PARTIAL)).to(torch.int8)
-    return cls, torch.as_tensor(certain, device=cls.device).expand(cls.shape)
+        raise ValueError(f"relation {rel} is not a comparison")
+    known = ~(torch.isnan(lo) | torch.isnan(hi))
+    cls = torch.where(full & known, FULL, torch.where(empty & known, EMPTY, PARTIAL)).to(torch.int8)
+    return cls, (torch.as_tensor(certain, device=cls.device) & known).expand(cls.shape)
 
 
 def classify_grid(expr, evaluator: IntervalEvaluator):
-    """Verdict of boolean `expr` on every tile of the evaluator's frame."""
+    """Verdict of boolean `expr` on every tile of the evaluator's frame; each distinct
+    subexpression is classified once (see IntervalEvaluator.scope)."""
+    with evaluator.scope():
+        return _classify(expr, evaluator)
+
+
+def _classify(expr, evaluator):
+    verdict = evaluator.verdicts.get(expr)
+    if verdict is None:
+        verdict = evaluator.verdicts[expr] = _verdict(expr, evaluator)
+    return verdict
+
+
+def _verdict(expr, evaluator):
     if expr is sympy.true or expr is sympy.false:
         return constant(expr is sympy.true, evaluator.device)
     if isinstance(expr, sympy.And):
-        return _fold(combine_and, [classify_grid(a, evaluator) for a in expr.args])
+        return _fold(combine_and, [_classify(a, evaluator) for a in expr.args])
     if isinstance(expr, sympy.Or):
-        return _fold(combine_or, [classify_grid(a, evaluator) for a in expr.args])
+        return _fold(combine_or, [_classify(a, evaluator) for a in expr.args])
     if isinstance(expr, sympy.Xor):
-        return _fold(combine_xor, [classify_grid(a, evaluator) for a in expr.args])
+        return _fold(combine_xor, [_classify(a, evaluator) for a in expr.args])
     if isinstance(expr, sympy.Not):
-        return combine_not(classify_grid(expr.args[0], evaluator))
+        return combine_not(_classify(expr.args[0], evaluator))
+    if isinstance(expr, sympy.ITE):  # (c & a) | (~c & b)
+        c, a, b = (_classify(x, evaluator) for x in expr.args)
+        return combine_or(combine_and(c, a), combine_and(combine_not(c), b))
     if isinstance(expr, sympy.core.relational.Relational):
         try:
             iv = evaluator.run(_difference(expr))

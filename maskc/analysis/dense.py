@@ -1,9 +1,16 @@
 """Evaluate a traced expression on torch tensors, with the kernel's semantics.
 
 This is the dense fallback of the block-map analysis (and of reclassifying tiles the
-interval analysis could not decide). Python semantics throughout: `//` floors, `%` takes
-the divisor's sign; a captured-tensor index out of range reads 0 (False for bool tensors),
-exactly as the generated kernel does.
+interval analysis could not decide). Python and torch semantics throughout: `//` floors,
+`%` takes the divisor's sign; integer operations on int64 (shifts as torch's: counts past
+the width give 0 or the sign); Trunc rounds toward zero; sign(0) = 0; a captured-tensor
+index out of range reads 0 (False for bool tensors), exactly as the generated kernel does,
+and an element is read as int64 or float64, so that arithmetic on it cannot wrap (the kernel
+reads narrow types as int32 and float32).
+
+Each distinct node is evaluated once: nested torch.where builds expressions whose tree is
+exponentially larger than the number of distinct nodes. A value needed again is kept only
+until its last use, so that memory stays near what evaluating the tree would hold.
 """
 from __future__ import annotations
 
@@ -16,14 +23,45 @@ from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE
 def evaluate(expr, env: dict, tensors, params: dict):
     """Value of `expr` with index symbols bound to tensors in `env` (keys B, H, Q_IDX, KV_IDX,
     optionally SCORE), captured tensors by slot, and parameter symbols bound in `params`."""
-    return _Evaluator(env, tensors, params).run(expr)
+    return _Evaluator(env, tensors, params, _uses(expr)).run(expr)
+
+
+def _uses(expr) -> dict:
+    """How many times evaluating `expr` asks for each compound node, counted once per distinct
+    parent; a Piecewise asks for its branches' conditions and values directly."""
+    uses, todo = {}, [expr]
+    while todo:
+        node = todo.pop()
+        args = [a for pair in node.args for a in pair.args] if isinstance(node, sympy.Piecewise) else node.args
+        for a in args:
+            if a.args:
+                seen = uses.get(a, 0)
+                uses[a] = seen + 1
+                if not seen:
+                    todo.append(a)
+    return uses
 
 
 class _Evaluator:
-    def __init__(self, env, tensors, params):
+    def __init__(self, env, tensors, params, uses):
         self.env, self.tensors, self.params = env, tensors, params
+        self.left = uses  # node -> uses still to come, for the nodes used more than once
+        self.kept = {}
 
     def run(self, e):
+        value = self.kept.get(e)
+        if value is not None:
+            self.left[e] -= 1
+            if not self.left[e]:
+                del self.kept[e]
+            return value
+        value = self._value(e)
+        if self.left.get(e, 0) > 1:
+            self.kept[e] = value
+            self.left[e] -= 1
+        return value
+
+    def _value(self, e):
         if e is sympy.true:
             return torch.tensor(True)
         if e is sympy.false:
@@ -60,15 +98,29 @@ class _Evaluator:
 
     def _Pow(self, e):
         base, exp = self._args(e)
-        if e.exp.is_Integer and int(e.exp) < 0:
-            return 1.0 / base.to(torch.float64) ** (-int(e.exp))
-        return base**exp
+        if e.exp.is_integer and e.exp.is_nonnegative:
+            return base**exp  # integers stay integers, as torch's int ** int
+        return base.to(torch.float64) ** exp
 
     def _floor(self, e):
         num, den = sympy.fraction(sympy.together(e.args[0]))
         if den != 1:
             return torch.div(self.run(num), self.run(den), rounding_mode="floor")
         return torch.floor(self.run(e.args[0]))
+
+    def _ceiling(self, e):
+        num, den = sympy.fraction(sympy.together(e.args[0]))
+        if den != 1:
+            return -torch.div(-self.run(num), self.run(den), rounding_mode="floor")
+        return torch.ceil(self.run(e.args[0]))
+
+    def _Trunc(self, e):
+        num, den = sympy.fraction(sympy.together(e.args[0]))
+        if den != 1 and num.is_integer and den.is_integer:
+            # exactly: sympy writes (q - kv) / 3 as q/3 - kv/3, whose float value can round below 1
+            return torch.div(self.run(num), self.run(den), rounding_mode="trunc")
+        x = self.run(e.args[0])
+        return torch.trunc(x).to(torch.int64) if x.is_floating_point() else x.to(torch.int64)
 
     def _Mod(self, e):
         a, b = self._args(e)
@@ -89,6 +141,14 @@ class _Evaluator:
     def _Abs(self, e):
         return torch.abs(self.run(e.args[0]))
 
+    def _sign(self, e):
+        return torch.sign(self.run(e.args[0]))
+
+    def _Heaviside(self, e):
+        x = self.run(e.args[0]).to(torch.float64)
+        at_zero = float(e.args[1]) if len(e.args) > 1 else 0.5
+        return torch.where(x > 0, 1.0, torch.where(x == 0, at_zero, 0.0)).to(torch.float64)
+
     def _exp(self, e):
         return torch.exp(self.run(e.args[0]).to(torch.float64))
 
@@ -97,6 +157,33 @@ class _Evaluator:
 
     def _tanh(self, e):
         return torch.tanh(self.run(e.args[0]).to(torch.float64))
+
+    def _sin(self, e):
+        return torch.sin(self.run(e.args[0]).to(torch.float64))
+
+    def _cos(self, e):
+        return torch.cos(self.run(e.args[0]).to(torch.float64))
+
+    def _erf(self, e):
+        return torch.erf(self.run(e.args[0]).to(torch.float64))
+
+    def _BitAnd(self, e):
+        return torch.bitwise_and(*self._integers(e))
+
+    def _BitOr(self, e):
+        return torch.bitwise_or(*self._integers(e))
+
+    def _BitXor(self, e):
+        return torch.bitwise_xor(*self._integers(e))
+
+    def _LeftShift(self, e):
+        return torch.bitwise_left_shift(*self._integers(e))
+
+    def _RightShift(self, e):
+        return torch.bitwise_right_shift(*self._integers(e))
+
+    def _integers(self, e):
+        return [v.to(torch.int64) for v in self._args(e)]
 
     def _Piecewise(self, e):
         out = self.run(e.args[-1].expr)
@@ -149,6 +236,10 @@ class _Evaluator:
     def _Not(self, e):
         return ~self.run(e.args[0])
 
+    def _ITE(self, e):
+        cond, a, b = self._args(e)
+        return torch.where(cond, a, b)
+
     def _load(self, e):
         tensor = self.tensors[int(e.args[0])]
         index = [self.run(i) for i in e.args[1:]]
@@ -159,8 +250,8 @@ class _Evaluator:
             inside = inside & (i >= 0) & (i < tensor.shape[dim])
             clamped.append(i.clamp(0, tensor.shape[dim] - 1).to(torch.long))
         value = tensor.to(self._device())[tuple(clamped)] if clamped else tensor.to(self._device()).reshape(())
-        if value.dtype == torch.bool:
-            value = value.to(torch.int64)
+        # widened as the kernel's loads are (_widen): arithmetic on the value never wraps or rounds
+        value = value.to(torch.float64 if value.dtype.is_floating_point else torch.int64)
         return torch.where(inside.to(value.device), value, torch.zeros((), dtype=value.dtype, device=value.device))
 
     _LoadInt = _LoadFloat = _LoadBool = _load

@@ -4,9 +4,18 @@ Each index symbol is bound to a pair of broadcastable tensors (lowest and highes
 the tile), so one pass of arithmetic covers the whole grid of tiles. Results carry two
 facts used to decide when a PARTIAL verdict is certain rather than merely safe:
 `tight` (lo and hi are attained on the tile) and `dense` (every integer between them is).
+
+Infinities follow IEEE arithmetic (a captured window of inf keeps every pair). Where a value
+may be NaN (inf - inf, 0 * inf, sin(inf), log of a negative), an end of its range is NaN,
+and a comparison with a NaN end decides nothing (classify.relation). An operation with no
+rule raises _Undecidable: the comparison holding it is PARTIAL, settled densely.
+
+Each distinct node is evaluated once per top-level `run` (or classify_grid): nested
+torch.where builds expressions whose tree is exponentially larger than the node count.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -37,6 +46,29 @@ def _floordiv(a, b):
     return torch.div(a, b, rounding_mode="floor")
 
 
+def _ceildiv(a, b):
+    return -torch.div(-a, b, rounding_mode="floor")
+
+
+def _truncdiv(a, b):
+    return torch.div(a, b, rounding_mode="trunc")
+
+
+def _f64(t):
+    return t.to(torch.float64)
+
+
+def _all_bits_below(m):
+    """The least 2**k - 1 >= m, for int64 m >= 0: m with every bit below its highest set."""
+    for shift in (1, 2, 4, 8, 16, 32):
+        m = m | (m >> shift)
+    return m
+
+
+# sin and cos ranges are widened by this much: the kernel evaluates them in float32
+_WAVE_SLACK = 1e-6
+
+
 class IntervalEvaluator:
     """Ranges of integer/real expressions over tiles.
 
@@ -46,8 +78,38 @@ class IntervalEvaluator:
 
     def __init__(self, frame: dict, values: dict, summaries, device):
         self.frame, self.values, self.summaries, self.device = frame, values, summaries, device
+        self.memo = None  # node -> Interval (or _Undecidable) within one top-level evaluation
+        self.verdicts = None  # node -> verdict, for classify_grid, likewise
+
+    @contextlib.contextmanager
+    def scope(self):
+        """One top-level evaluation: its nodes' ranges and verdicts are kept until it ends."""
+        if self.memo is not None:
+            yield
+            return
+        self.memo, self.verdicts = {}, {}
+        try:
+            yield
+        finally:
+            self.memo = self.verdicts = None
 
     def run(self, e) -> Interval:
+        with self.scope():
+            return self._run(e)
+
+    def _run(self, e) -> Interval:
+        out = self.memo.get(e)
+        if out is None:
+            try:
+                out = self._evaluate(e)
+            except _Undecidable as undecidable:
+                out = undecidable
+            self.memo[e] = out
+        if isinstance(out, _Undecidable):
+            raise out
+        return out
+
+    def _evaluate(self, e) -> Interval:
         if isinstance(e, sympy.Integer):
             return Interval.const(int(e), self.device)
         if e.is_Number:
@@ -58,7 +120,7 @@ class IntervalEvaluator:
             return Interval.const(self.values[e], self.device)
         if is_load(e):
             return self._load(e)
-        affine = self._affine(e)
+        affine = self._affine(e) if _shallow(e) else None
         if affine is not None:
             return affine
         method = getattr(self, "_" + type(e).__name__, None)
@@ -77,7 +139,10 @@ class IntervalEvaluator:
         for s, c in terms:
             iv = self.frame[s]
             low, high = (iv.lo, iv.hi) if c > 0 else (iv.hi, iv.lo)
-            low, high = (low, high) if c == 1 and type(c) is int else (low * c, high * c)
+            if not (c == 1 and type(c) is int):
+                # a float coefficient as a float64 tensor: int64 * Python float gives float32
+                c = _scalar(c, self.device) if isinstance(c, float) else c
+                low, high = low * c, high * c
             lo, hi = (low, high) if lo is None else (lo + low, hi + high)
         if lo is None:
             lo = hi = _scalar(const, self.device)
@@ -86,14 +151,14 @@ class IntervalEvaluator:
             c = _scalar(const, self.device) if isinstance(const, float) else const
             lo, hi = lo + c, hi + c
         unit = all(abs(c) == 1 for _, c in terms)
-        integer = all(c == int(c) for c in (const, *(c for _, c in terms)))
+        integer = all(float(c).is_integer() for c in (const, *(c for _, c in terms)))  # False for inf and NaN
         return Interval(lo, hi, True, unit and integer, form.syms)
 
     def _unknown(self, e):
         raise _Undecidable(e)
 
     def _Add(self, e):
-        parts = [self.run(a) for a in e.args]
+        parts = [self._run(a) for a in e.args]
         lo, hi = parts[0].lo, parts[0].hi
         for p in parts[1:]:
             lo, hi = lo + p.lo, hi + p.hi
@@ -102,7 +167,7 @@ class IntervalEvaluator:
                         independent and all(p.dense for p in parts), _vars(parts))
 
     def _Mul(self, e):
-        parts = [self.run(a) for a in e.args]
+        parts = [self._run(a) for a in e.args]
         out = parts[0]
         for p in parts[1:]:
             products = [out.lo * p.lo, out.lo * p.hi, out.hi * p.lo, out.hi * p.hi]
@@ -113,29 +178,62 @@ class IntervalEvaluator:
         return out
 
     def _Pow(self, e):
-        base = self.run(e.base)
-        if e.exp.is_Integer and int(e.exp) >= 0 and int(e.exp) % 2 == 1:
-            k = int(e.exp)
-            return Interval(base.lo**k, base.hi**k, base.tight, False, base.vars)
+        base, exp = e.args
+        if exp.is_Integer and int(exp) > 0:
+            x, k = self._run(base), int(exp)
+            if k % 2:
+                return Interval(x.lo**k, x.hi**k, x.tight, False, x.vars)
+            # even: from the least magnitude (0 where the range spans it) to the greatest
+            least = torch.minimum(x.lo.abs(), x.hi.abs())
+            least = torch.where((x.lo <= 0) & (x.hi >= 0), torch.zeros_like(least), least)
+            return Interval(least**k, torch.maximum(x.lo.abs(), x.hi.abs())**k, False, False, x.vars)
+        if exp.is_Number and float(exp) == 0.5:
+            return self._increasing(base, torch.sqrt)
+        if base.is_Number and base.is_positive:
+            # b**x, monotone in x: increasing for b > 1, decreasing below
+            b, x = float(base), self._run(exp)
+            ends = b ** _f64(x.lo), b ** _f64(x.hi)
+            lo, hi = ends if b >= 1 else ends[::-1]
+            return Interval(lo, hi, x.tight, False, x.vars)
         return self._unknown(e)
 
     def _floor(self, e):
+        return self._rounded(e, _floordiv, torch.floor)
+
+    def _ceiling(self, e):
+        return self._rounded(e, _ceildiv, torch.ceil)
+
+    def _rounded(self, e, divide, rounding):
+        """floor or ceiling: of an integer quotient by a literal, exactly (dense stays dense);
+        of anything else, the rounded ends of its range."""
         num, den = _fraction(e.args[0])
-        den_iv = self.run(den)
+        den_iv = self._run(den)
         if den != 1 and den_iv.lo.dim() == 0 and bool(den_iv.lo == den_iv.hi) and den_iv.lo.dtype == torch.int64:
             d = int(den_iv.lo)
             if d == 0:
                 return self._unknown(e)
-            x = self.run(num)
+            x = self._run(num)
             if x.lo.dtype == torch.int64:
-                a, b = _floordiv(x.lo, d), _floordiv(x.hi, d)
+                a, b = divide(x.lo, d), divide(x.hi, d)
                 lo, hi = (a, b) if d > 0 else (b, a)
                 return Interval(lo, hi, x.tight, x.dense, x.vars)
-        x = self.run(e.args[0])
-        return Interval(torch.floor(x.lo), torch.floor(x.hi), x.tight, False, x.vars)
+        x = self._run(e.args[0])
+        return Interval(rounding(x.lo), rounding(x.hi), x.tight, False, x.vars)
+
+    def _Trunc(self, e):
+        if _fraction(e.args[0])[1] != 1:
+            # an integer quotient ((q_idx - kv_idx) / 3 from torch.div(rounding_mode="trunc")):
+            # exactly, since its float ends can round across an integer (4/3 - 1/3 < 1)
+            quotient = self._rounded(e, _truncdiv, torch.trunc)
+            if quotient.lo.dtype == torch.int64:
+                return quotient
+        x = self._run(e.args[0])
+        if x.lo.dtype == torch.int64:
+            return x
+        return self._integer(Interval(torch.trunc(x.lo), torch.trunc(x.hi), x.tight, False, x.vars), e)
 
     def _Mod(self, e):
-        x, m = self.run(e.args[0]), self.run(e.args[1])
+        x, m = self._run(e.args[0]), self._run(e.args[1])
         if m.lo.dim() != 0 or bool(m.lo != m.hi) or m.lo.dtype != torch.int64 or int(m.lo) == 0:
             return self._unknown(e)
         mod = int(m.lo)
@@ -148,34 +246,157 @@ class IntervalEvaluator:
         return Interval(lo, hi, x.tight and x.dense, x.dense and not bool(wraps.any()), x.vars)
 
     def _Min(self, e):
-        parts = [self.run(a) for a in e.args]
+        parts = [self._run(a) for a in e.args]
         lo, hi = parts[0].lo, parts[0].hi
         for p in parts[1:]:
             lo, hi = torch.minimum(lo, p.lo), torch.minimum(hi, p.hi)
         return Interval(lo, hi, _independent(parts) and all(p.tight for p in parts), False, _vars(parts))
 
     def _Max(self, e):
-        parts = [self.run(a) for a in e.args]
+        parts = [self._run(a) for a in e.args]
         lo, hi = parts[0].lo, parts[0].hi
         for p in parts[1:]:
             lo, hi = torch.maximum(lo, p.lo), torch.maximum(hi, p.hi)
         return Interval(lo, hi, _independent(parts) and all(p.tight for p in parts), False, _vars(parts))
 
     def _Abs(self, e):
-        x = self.run(e.args[0])
+        x = self._run(e.args[0])
         zero = torch.zeros_like(x.lo)
         lo = torch.where(x.lo >= 0, x.lo, torch.where(x.hi <= 0, -x.hi, zero))
         hi = torch.maximum(x.lo.abs(), x.hi.abs())
         return Interval(lo, hi, x.tight and x.dense, x.dense, x.vars)
 
+    def _sign(self, e):
+        x = self._run(e.args[0])
+        return Interval(torch.sign(x.lo), torch.sign(x.hi), x.tight, x.dense, x.vars)
+
+    def _Heaviside(self, e):
+        x = self._run(e.args[0])
+        at_zero = float(e.args[1]) if len(e.args) > 1 else 0.5
+        if not 0 <= at_zero <= 1:  # then not monotone
+            return self._unknown(e)
+
+        def step(v):
+            return torch.where(v > 0, 1.0, torch.where(v == 0, at_zero, 0.0)).to(torch.float64)
+
+        return Interval(step(x.lo), step(x.hi), x.tight, False, x.vars)
+
+    def _increasing(self, arg, fn):
+        """A strictly increasing float function: the ends map to the ends."""
+        x = self._run(arg)
+        return Interval(fn(_f64(x.lo)), fn(_f64(x.hi)), x.tight, False, x.vars)
+
+    def _exp(self, e):
+        return self._increasing(e.args[0], torch.exp)
+
+    def _log(self, e):
+        return self._increasing(e.args[0], torch.log)  # NaN below 0, as the kernel's
+
+    def _tanh(self, e):
+        return self._increasing(e.args[0], torch.tanh)
+
+    def _erf(self, e):
+        return self._increasing(e.args[0], torch.erf)
+
+    def _sin(self, e):
+        return self._wave(e, torch.sin, math.pi / 2)
+
+    def _cos(self, e):
+        return self._wave(e, torch.cos, 0.0)
+
+    def _wave(self, e, fn, peak):
+        """sin or cos, whose peaks lie at `peak` + 2πk and troughs π further: the values at the
+        ends, or ±1 where a peak or trough lies between them; NaN for an infinite end."""
+        x = self._run(e.args[0])
+        lo, hi = _f64(x.lo), _f64(x.hi)
+        at_lo, at_hi = fn(lo), fn(hi)
+
+        def reaches(at):
+            return torch.ceil((lo - at) / (2 * math.pi)) <= torch.floor((hi - at) / (2 * math.pi))
+
+        top = torch.where(reaches(peak), 1.0, torch.maximum(at_lo, at_hi) + _WAVE_SLACK).clamp(max=1.0)
+        bottom = torch.where(reaches(peak + math.pi), -1.0, torch.minimum(at_lo, at_hi) - _WAVE_SLACK).clamp(min=-1.0)
+        finite = torch.isfinite(lo) & torch.isfinite(hi)
+        nan = torch.tensor(math.nan, dtype=torch.float64, device=lo.device)
+        return Interval(torch.where(finite, bottom, nan), torch.where(finite, top, nan), False, False, x.vars)
+
+    # -- integer operations (maskc/trace/symbols.py), on int64 as torch's ------------------
+    def _integer(self, x, e) -> Interval:
+        """x with int64 ends: integer-valued float ends are converted where finite (an index
+        of a captured tensor must be); otherwise e is undecidable."""
+        if x.lo.dtype == torch.int64:
+            return x
+        if not bool((torch.isfinite(x.lo) & torch.isfinite(x.hi) & (x.lo.abs() < 2.0**62)
+                     & (x.hi.abs() < 2.0**62)).all()):
+            return self._unknown(e)
+        return Interval(x.lo.to(torch.int64), x.hi.to(torch.int64), x.tight, x.dense, x.vars)
+
+    def _shift_operands(self, e):
+        """a and the count n of a shift, n's ends clipped to 63 (a count of 64 or more acts as
+        63 on a right shift; left shifts that far are refused below). Negative counts are
+        undecidable: torch gives 0 or the sign for them, not a monotone function."""
+        a, n = (self._integer(self._run(x), e) for x in e.args)
+        if not bool((n.lo >= 0).all()):
+            return self._unknown(e)
+        return a, n, n.lo.clamp(max=63), n.hi.clamp(max=63)
+
+    def _RightShift(self, e):
+        # floor(a / 2**n): increasing in a, toward 0 or -1 in n, so the extremes are at the corners
+        a, n, n_lo, n_hi = self._shift_operands(e)
+        lo = torch.minimum(a.lo >> n_lo, a.lo >> n_hi)
+        hi = torch.maximum(a.hi >> n_lo, a.hi >> n_hi)
+        point = bool((n.lo == n.hi).all())
+        return Interval(lo, hi, a.tight and point, a.dense and point, a.vars | n.vars)
+
+    def _LeftShift(self, e):
+        # a * 2**n while it cannot overflow int64: the extremes are at the corners
+        a, n, n_lo, n_hi = self._shift_operands(e)
+        magnitude = torch.maximum(a.lo.abs(), a.hi.abs()).to(torch.float64) * 2.0 ** n_hi.to(torch.float64)
+        if not bool((magnitude < 2.0**62).all()):
+            return self._unknown(e)
+        lo = torch.minimum(a.lo << n_lo, a.lo << n_hi)
+        hi = torch.maximum(a.hi << n_lo, a.hi << n_hi)
+        return Interval(lo, hi, a.tight and bool((n.lo == n.hi).all()), False, a.vars | n.vars)
+
+    def _bit_operands(self, e):
+        """Both operands, nonnegative: a bitwise operation on negative numbers has no range
+        rule here, so it is undecidable."""
+        a, b = (self._integer(self._run(x), e) for x in e.args)
+        if not bool(((a.lo >= 0) & (b.lo >= 0)).all()):
+            return self._unknown(e)
+        return a, b
+
+    def _bitwise(self, a, b, op, lo, hi):
+        """The range [lo, hi], or the exact value on tiles where both operands are single values."""
+        exact = (a.lo == a.hi) & (b.lo == b.hi)
+        value = op(a.lo, b.lo)
+        everywhere = bool(exact.all())
+        return Interval(torch.where(exact, value, lo), torch.where(exact, value, hi), everywhere, everywhere,
+                        a.vars | b.vars)
+
+    def _BitAnd(self, e):
+        a, b = self._bit_operands(e)
+        return self._bitwise(a, b, torch.bitwise_and, 0, torch.minimum(a.hi, b.hi))
+
+    def _BitOr(self, e):
+        # at least either operand; at most every bit below the highest either can set
+        a, b = self._bit_operands(e)
+        top = torch.minimum(_all_bits_below(torch.maximum(a.hi, b.hi)), a.hi + b.hi)
+        return self._bitwise(a, b, torch.bitwise_or, torch.maximum(a.lo, b.lo), top)
+
+    def _BitXor(self, e):
+        a, b = self._bit_operands(e)
+        top = torch.minimum(_all_bits_below(torch.maximum(a.hi, b.hi)), a.hi + b.hi)
+        return self._bitwise(a, b, torch.bitwise_xor, 0, top)
+
     def _Piecewise(self, e):
         from maskc.analysis.classify import FULL, EMPTY, classify_grid
 
-        out = self.run(e.args[-1].expr)
+        out = self._run(e.args[-1].expr)
         tight = out.tight
         for branch in reversed(e.args[:-1]):
             verdict, _ = classify_grid(branch.cond, self)
-            val = self.run(branch.expr)
+            val = self._run(branch.expr)
             lo = torch.where(verdict == FULL, val.lo, torch.where(verdict == EMPTY, out.lo, torch.minimum(val.lo, out.lo)))
             hi = torch.where(verdict == FULL, val.hi, torch.where(verdict == EMPTY, out.hi, torch.maximum(val.hi, out.hi)))
             tight = tight and val.tight and not bool((verdict == 1).any())
@@ -184,7 +405,7 @@ class IntervalEvaluator:
 
     def _load(self, e):
         slot = int(e.args[0])
-        index = [self.run(i) for i in e.args[1:]]
+        index = [self._integer(self._run(i), e) for i in e.args[1:]]
         lo, hi = self.summaries.range(slot, index)
         last = index[-1] if index else None
         tight = last is None or (last.tight and last.dense and all(bool((i.lo == i.hi).all()) for i in index[:-1]))
@@ -243,6 +464,15 @@ def _fraction(e):
 
 class _Undecidable(Exception):
     """Raised inside evaluation when an expression has no interval rule; callers fall back."""
+
+
+def _shallow(e, depth: int = 3) -> bool:
+    """Whether e is sums, products and powers of symbols and numbers, nested at most `depth`
+    deep: the only expressions that can be affine after canonicalisation. _affine_form's
+    sympy queries walk the whole tree, which for nested torch.where is exponentially large."""
+    if e.is_Atom:
+        return True
+    return depth > 0 and (e.is_Add or e.is_Mul or e.is_Pow) and all(_shallow(a, depth - 1) for a in e.args)
 
 
 def _independent(parts) -> bool:

@@ -10,10 +10,11 @@ import jinja2
 import sympy
 
 from maskc._version import __version__
-from maskc.codegen.printer import TritonPrinter, tensor_args
+from maskc.codegen.printer import TritonPrinter, describe, tensor_args
 from maskc.codegen.separable import separate
 from maskc.codegen.spec import KernelSpec
-from maskc.trace.symbols import SCORE
+from maskc.errors import MaskcError
+from maskc.trace.symbols import INTEGER_OPS, SCORE
 
 TEMPLATES = {"fwd": "attention_fwd.py.jinja", "bwd": "attention_bwd.py.jinja"}
 # The @triton.jit functions each kind of file defines.
@@ -49,31 +50,136 @@ def codegen_hash() -> str:
 def render(spec: KernelSpec, templates: str | None = None) -> str:
     """The Triton source of the kernel file described by `spec` (from the templates in the
     folder `templates`, else maskc's own)."""
-    printer = TritonPrinter()
     extra = []
     for slot, rank in enumerate(spec.tensor_ranks):
         extra += tensor_args(slot, rank)
     extra += [f"p{i}" for i in range(len(spec.param_kinds))]
-    # Only the forward uses the split. float64 runs exist for exact checks (gradcheck): there
-    # the score mod runs as written, since the split form measured 2e-7 relative error in
-    # float64 against 6e-16 (some term of it is computed in float32; not pinned down).
-    separable = separate(spec.score_expr) if spec.kind == "fwd" and spec.dtype != "fp64" else None
-    score_grad = None
-    if spec.score_expr is not None:
-        derivative = sympy.diff(spec.score_expr, SCORE)
-        score_grad = None if derivative == 1 else printer.doprint(derivative)
     return _environment(templates).get_template(TEMPLATES[spec.kind]).render(
         kernel_name=KERNEL_NAMES[spec.kind][0],
         template_name=TEMPLATES[spec.kind],
         maskc_version=__version__,
-        mask_text=str(spec.mask_expr) if spec.mask_expr is not None else "none (every pair kept)",
-        score_text=str(spec.score_expr) if spec.score_expr is not None else "none (plain scores)",
-        mask_expr=printer.doprint(spec.mask_expr) if spec.mask_expr is not None else "True",
-        score_expr=printer.doprint(spec.score_expr) if spec.score_expr is not None else None,
-        score_grad_expr=score_grad,
-        separable=separable is not None,
-        coefficient_expr=printer.doprint(separable.coefficient) if separable else None,
-        row_expr=printer.doprint(separable.row) if separable else None,
-        column_expr=printer.doprint(separable.column) if separable else None,
+        mask_text=describe(spec.mask_expr) if spec.mask_expr is not None else "none (every pair kept)",
+        score_text=describe(spec.score_expr) if spec.score_expr is not None else "none (plain scores)",
         extra_args=extra,
+        **_hooks(spec),
     )
+
+
+def _hooks(spec: KernelSpec) -> dict:
+    """The Triton text the template prints at its named hooks: each `*_expr` with the
+    `*_statements` that run before it."""
+    hooks = {}
+    mask = sympy.true if spec.mask_expr is None else spec.mask_expr
+    _name(hooks, "mask", TritonPrinter().block([mask], "_mask")[0])
+    score_grad = None
+    if spec.kind == "bwd" and spec.score_expr is not None:
+        score_grad = score_derivative(spec.score_expr)
+        score_grad = None if score_grad == 1 else score_grad
+    # the derivative runs after the score in the same tile, so it may use the score's names
+    scores = [e for e in (spec.score_expr, score_grad) if e is not None]
+    printed = iter(TritonPrinter().block(scores, "_score"))
+    for hook, expr in (("score", spec.score_expr), ("score_grad", score_grad)):
+        _name(hooks, hook, next(printed) if expr is not None else None)
+    # Only the forward uses the split. float64 runs exist for exact checks (gradcheck): there
+    # the score mod runs as written, since the split form measured 2e-7 relative error in
+    # float64 against 6e-16 (some term of it is computed in float32; not pinned down).
+    separable = separate(spec.score_expr) if spec.kind == "fwd" and spec.dtype != "fp64" else None
+    hooks["separable"] = separable is not None
+    # the row's and coefficient's statements run once per program, before the column's loop
+    terms = (separable.coefficient, separable.row, separable.column) if separable else ()
+    printed = TritonPrinter().block(terms, "_split") if separable else [None] * 3
+    for hook, p in zip(("coefficient", "row", "column"), printed):
+        _name(hooks, hook, p)
+    return hooks
+
+
+def _name(hooks: dict, hook: str, printed) -> None:
+    hooks[f"{hook}_expr"] = printed.value if printed else None
+    hooks[f"{hook}_statements"] = printed.statements if printed else ()
+
+
+# -- d(score_mod)/d(score) for the backward --------------------------------------------------
+_SMOOTH = (sympy.exp, sympy.log, sympy.tanh, sympy.sin, sympy.cos, sympy.erf)
+# An integer-valued operation of score: its derivative is 0 almost everywhere (torch says 0 for
+# floor), which is rarely what was meant. Indices of captured tensors are integers, so one
+# of these reaches any index that depends on score.
+_STEPS = (sympy.floor, sympy.ceiling, *INTEGER_OPS)
+
+
+def score_derivative(expr) -> sympy.Expr:
+    """d expr / d score, as torch's autograd differentiates the same operations.
+
+    Each distinct subexpression is differentiated once (sympy.diff walks the tree, which
+    nested torch.where makes exponentially large). Where torch picks a rule, so does this:
+    torch.where passes the gradient to the branch taken (conditions are not differentiated);
+    abs has slope sign(x), 0 at 0; sign has slope 0; min, max and clamp pass the gradient to
+    the argument they return, and at a tie to one that depends on score (clamp passes it at
+    its bounds); `%` has slope 1 in its dividend. floor, ceil, trunc and integer operations of
+    score have no derivative: an error names the operation.
+
+    >>> score_derivative(sympy.Max(SCORE, 0))
+    Piecewise((1, score >= 0), (0, True))
+    """
+    return _Derivative()(expr)
+
+
+class _Derivative:
+    def __init__(self):
+        self.done = {}
+
+    def __call__(self, e):
+        d = self.done.get(e)
+        if d is None:
+            d = self.done[e] = self._rule(e)
+        return d
+
+    def _rule(self, e):
+        if e == SCORE:
+            return sympy.Integer(1)
+        if not e.args or e.is_Boolean:
+            return sympy.Integer(0)
+        if isinstance(e, sympy.Add):
+            return sympy.Add(*[self(a) for a in e.args])
+        if isinstance(e, sympy.Mul):
+            return sympy.Add(*[self(a) * sympy.Mul(*e.args[:i], *e.args[i + 1:]) for i, a in enumerate(e.args)
+                               if self(a) != 0])
+        if isinstance(e, sympy.Pow):
+            return self._pow(e)
+        if isinstance(e, sympy.Piecewise):
+            return sympy.Piecewise(*[(self(branch.expr), branch.cond) for branch in e.args])
+        if isinstance(e, (sympy.Min, sympy.Max)):
+            return self._extreme(e)
+        if isinstance(e, sympy.Abs):
+            return sympy.sign(e.args[0]) * self(e.args[0])
+        if isinstance(e, sympy.Mod):
+            a, m = e.args
+            return self(a) - sympy.floor(a / m) * self(m)
+        slopes = [self(a) for a in e.args]
+        if all(s == 0 for s in slopes) or isinstance(e, (sympy.sign, sympy.Heaviside)):
+            return sympy.Integer(0)
+        if isinstance(e, _SMOOTH):
+            return sympy.Add(*[e.fdiff(i + 1) * s for i, s in enumerate(slopes) if s != 0])
+        fix = ("use operations differentiable in score (torch.where, clamp, abs, exp, tanh, ...), or apply it to "
+               "b, h, q_idx and kv_idx only" if isinstance(e, _STEPS) else "maskc has no derivative rule for it")
+        raise MaskcError(f"score_mod is not differentiable in score at {describe(e, limit=40)}, which the "
+                         f"backward pass needs; {fix}")
+
+    def _pow(self, e):
+        base, exp = e.args
+        d_base, d_exp = self(base), self(exp)
+        if d_exp == 0:
+            return exp * base ** (exp - 1) * d_base
+        if d_base == 0:
+            return e * sympy.log(base) * d_exp
+        return e * (d_exp * sympy.log(base) + exp * d_base / base)
+
+    def _extreme(self, e):
+        """The slope of the argument a min or max returns; at a tie, of the first one that
+        depends on score, so that clamp passes the gradient at its bounds as torch's does."""
+        args = sorted(e.args, key=lambda a: self(a) == 0)
+        better = sympy.GreaterThan if isinstance(e, sympy.Max) else sympy.LessThan
+        branches = [(self(a), sympy.And(*[better(a, b) for b in args if b is not a])) for a in args[:-1]]
+        return sympy.Piecewise(*branches, (self(args[-1]), True))
+
+
+__all__ = ["codegen_hash", "render", "score_derivative"]

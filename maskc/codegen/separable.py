@@ -43,19 +43,21 @@ def separate(score_expr: sympy.Expr | None) -> SeparableScore | None:
     >>> separate(SCORE + LoadFloat(0, H) * (KV_IDX - Q_IDX))
     SeparableScore(coefficient=1, row=(-q_idx + q_lo)*LoadFloat(0, h), column=(kv_idx - q_lo)*LoadFloat(0, h))
     """
-    if score_expr is None or _uses(sympy.diff(score_expr, SCORE)):
-        return None  # cheap test first: the score's factor must be free of score and positions
+    if score_expr is None:
+        return None
+    uses = _Uses()
     coefficient, row, column = sympy.Integer(0), sympy.Integer(0), sympy.Integer(0)
-    for term in _terms(score_expr):
-        uses = _uses(term)
-        if SCORE in uses:
-            factor = sympy.cancel(term / SCORE)
-            if _uses(factor):
+    for term in _terms(score_expr, uses):
+        used = uses(term)
+        if SCORE in used:
+            # score itself times factors free of score and positions
+            factors = sympy.Mul.make_args(term)
+            if [f for f in factors if uses(f)] != [SCORE]:
                 return None
-            coefficient += factor
-        elif Q_IDX in uses and KV_IDX in uses:
+            coefficient += sympy.Mul(*[f for f in factors if f != SCORE])
+        elif Q_IDX in used and KV_IDX in used:
             return None
-        elif KV_IDX in uses:
+        elif KV_IDX in used:
             column += term
         else:
             row += term
@@ -65,12 +67,12 @@ def separate(score_expr: sympy.Expr | None) -> SeparableScore | None:
     return SeparableScore(coefficient, row, column)
 
 
-def _terms(expr) -> list:
+def _terms(expr, uses) -> list:
     """The top-level terms of expr, with products that mix q_idx and kv_idx multiplied out
     one level; everything else as written."""
     terms = []
     for term in sympy.Add.make_args(expr):
-        if term.is_Mul and {Q_IDX, KV_IDX} <= _uses(term):
+        if term.is_Mul and {Q_IDX, KV_IDX} <= uses(term):
             terms += sympy.Add.make_args(sympy.expand_mul(term, deep=False))
         else:
             terms.append(term)
@@ -80,9 +82,26 @@ def _terms(expr) -> list:
 _INFINITIES = (sympy.oo, -sympy.oo, sympy.zoo)
 
 
-def _uses(expr) -> set:
-    """Index symbols and the score anywhere in `expr`, inside load arguments too."""
-    return expr.free_symbols & {SCORE, Q_IDX, KV_IDX}
+class _Uses:
+    """`uses(expr)`: the index symbols and the score anywhere in `expr`, inside load arguments
+    too. Each distinct node is visited once: free_symbols walks the tree, which nested
+    torch.where makes exponentially large."""
+
+    def __init__(self):
+        self.done = {}
+
+    def __call__(self, expr) -> frozenset:
+        found = self.done.get(expr)
+        if found is None:
+            if expr.is_Symbol:
+                found = frozenset({expr}) & _TRACKED
+            else:
+                found = frozenset().union(*(self(a) for a in expr.args))
+            self.done[expr] = found
+        return found
+
+
+_TRACKED = frozenset({SCORE, Q_IDX, KV_IDX})
 
 
 __all__ = ["Q_LO", "SeparableScore", "separate"]

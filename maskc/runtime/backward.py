@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from maskc.runtime.attention import Problem, cached_block_map, dot_precision, forward, interpreter_safe, triton_dtype
+from maskc.runtime.attention import (Problem, cached_block_map, dot_precision, forward, interpreter_safe, no_pairs,
+                                     triton_dtype)
 from maskc.runtime.configs import BackwardConfig, TileConfig, backward_config, descriptors_enabled, padded
 from maskc.runtime.descriptors import descriptors
 from maskc.runtime.kernel import kernel_for
@@ -21,21 +22,37 @@ class AttentionFunction(torch.autograd.Function):
         out, lse = forward(q, k, v, problem)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
-        ctx.mark_non_differentiable(lse)
+        # an output the loss does not use gets None, not a tensor of zeros: lse mostly
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward(q, k, v, out, lse, d_out, ctx.problem)
+        dq, dk, dv = backward(q, k, v, out, lse, d_out, d_lse, ctx.problem)
         return dq, dk, dv, None
 
 
-def backward(q, k, v, out, lse, d_out, problem: Problem):
+class NoPairs(torch.autograd.Function):
+    """Attention with no (q, kv) pair (a length, B or H is 0): out is 0 and lse -inf whatever
+    q, k and v hold, so every gradient is zero, as SDPA's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in (q, k, v)]
+        return no_pairs(q, v)
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
+
+
+def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem):
+    """dq, dk, dv from the gradients of out and of lse (either may be None: unused)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     device = problem.block_map.device
-    config = backward_config(D, device.type)
+    config = backward_config(D, device.type, q.element_size())
     if problem.given_block_map:
         tiles = problem.kernel.spec
         same = TileConfig(tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages)
@@ -43,13 +60,18 @@ def backward(q, k, v, out, lse, d_out, problem: Problem):
     kernel = kernel_for("bwd", problem.mask, problem.score, q.dtype, D, Dv, problem.gqa,
                         (config.dq.block_m, config.dq.block_n), device)
     dtype = q.dtype
-    q, k, v, out, d_out = interpreter_safe(q, k, v, out, d_out.contiguous())
+    d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
+    q, k, v, out, d_out = interpreter_safe(q, k, v, out, d_out)
     acc = triton_dtype(lse.dtype)
     d_pad, dv_pad = padded(D), padded(Dv)
     delta = torch.empty_like(lse)
     kernel.function(problem.interpret, "attention_bwd_delta")[(-(-Lq // config.dq.block_m), B * Hq)](
         out, d_out, delta, *out.stride(), *d_out.stride(), Hq, Lq, HEAD_DIM_V=Dv, DV_PAD=dv_pad,
         BLOCK_M=config.dq.block_m, ACC=acc)
+    if d_lse is not None:
+        # dS = P (dP - Delta) + P dlse: the gradient of lse (natural log, as the kernels' P =
+        # exp(S - lse)) enters as Delta - dlse. Rows with lse = -inf have P = 0 and get none.
+        delta -= d_lse
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -93,5 +115,5 @@ def _map(problem: Problem, tiles: TileConfig, Lq, Lkv, B, Hq):
     """The block map at the backward's tile sizes (the forward's own when they agree)."""
     if problem.block_map.block_size == (tiles.block_m, tiles.block_n):
         return problem.block_map
-    return cached_block_map(problem.mask_mod, Lq, Lkv, (tiles.block_m, tiles.block_n), B, Hq,
+    return cached_block_map(problem.mask_mod, problem.mask, Lq, Lkv, (tiles.block_m, tiles.block_n), B, Hq,
                             problem.block_map.device)

@@ -1,14 +1,22 @@
 """Kernel cache: generated sources by signature, in memory and on disk.
 
 Files are named for people (`fwd_bf16_d128_bm128_bn64_<hash>.py`), written atomically and
-only when missing. `MASKC_CACHE_DIR` overrides the location; `MASKC_DEBUG=1` prints each
-source as it is rendered or read.
+only when missing. The first line of each holds the sha256 of the rest, checked when the file
+is read and again before it is imported: a file that fails it (edited, truncated, garbage) is
+rendered again and replaced, with a warning. A cache directory that cannot be written
+(read-only, or a file) still serves the kernels it holds; new ones go to a private temporary
+directory for the rest of the process, with a warning. `MASKC_CACHE_DIR` overrides the
+location; `MASKC_DEBUG=1` prints each source as it is rendered or read.
 """
 from __future__ import annotations
 
+import atexit
+import hashlib
 import os
+import shutil
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -42,6 +50,7 @@ class SourceCache:
     def __init__(self):
         self._memory: dict = {}
         self._lock = threading.Lock()
+        self._spares: dict[Path, Path] = {}  # unwritable cache directory -> the temporary one used instead
         self.hits = self.misses = self.disk_hits = 0
 
     def info(self) -> CacheInfo:
@@ -63,19 +72,78 @@ class SourceCache:
         self._memory[key] = kernel
 
     def source(self, name: str, render) -> tuple[str, Path]:
-        """The source stored under `name`, rendering (and writing) it only if missing."""
-        path = cache_dir() / f"{name}.py"
+        """The source stored under `name` and its file, rendering (and writing) it where the
+        file is missing or fails its hash."""
         with self._lock:
-            if path.exists():
+            home = cache_dir()
+            text, path = self._stored(home, name)
+            if text is not None:
                 self.disk_hits += 1
-                text = path.read_text()
             else:
                 self.misses += 1
-                text = render()
-                write_atomic(path, text)
+                text = stamped(render())
+                path = self._store(home, name, text)
         if debug():
             print(f"# maskc kernel {path}\n{text}")
         return text, path
+
+    def _stored(self, home: Path, name: str) -> tuple[str | None, Path | None]:
+        """The intact file of `name` in `home` or in its spare, as (text, path); else (None, None)."""
+        for directory in (home, self._spares.get(home)):
+            text = _intact(directory / f"{name}.py") if directory is not None else None
+            if text is not None:
+                return text, directory / f"{name}.py"
+        return None, None
+
+    def importable(self, path: Path, text: str) -> Path:
+        """A file holding `text` for an import: `path` while it still does, else `text`
+        written again (with a warning), since what Python imports is the file, not `text`."""
+        with self._lock:
+            if _intact(path) == text:
+                return path
+            return self._store(path.parent, path.stem, text)
+
+    def _store(self, home: Path, name: str, text: str) -> Path:
+        """Write `text` as `name` in `home`, or in its spare once `home` proved unwritable."""
+        spare = self._spares.get(home)
+        path = (spare or home) / f"{name}.py"
+        damaged = path.is_file()  # there, but it failed its hash
+        try:
+            write_atomic(path, text)
+        except OSError as error:
+            if spare is not None:
+                raise
+            spare = self._spares[home] = Path(tempfile.mkdtemp(prefix="maskc-kernels-"))
+            atexit.register(shutil.rmtree, spare, ignore_errors=True)
+            warnings.warn(f"maskc cannot write kernels to its cache directory {home} ({type(error).__name__}: "
+                          f"{error}); this process keeps new kernels in the private temporary directory {spare}, "
+                          f"deleted at exit; set MASKC_CACHE_DIR to a writable directory to keep them")
+            return self._store(home, name, text)
+        if damaged:
+            warnings.warn(f"maskc kernel file {path} did not match the sha256 on its first line (edited, truncated "
+                          f"or corrupted); it was rendered again and replaced")
+        return path
+
+
+_STAMP = "# maskc sha256 "
+
+
+def stamped(text: str) -> str:
+    """`text` under a first line holding the sha256 of it: what a cached kernel file holds."""
+    return f"{_STAMP}{hashlib.sha256(text.encode()).hexdigest()}\n{text}"
+
+
+def _intact(path: Path) -> str | None:
+    """The text of the file at `path` if it matches the sha256 on its first line; None where
+    it does not, or is missing or unreadable."""
+    try:
+        data = path.read_bytes()
+    except OSError:  # missing, or the cache directory is not a directory
+        return None
+    head, _, body = data.partition(b"\n")
+    if head.decode("latin-1") != _STAMP + hashlib.sha256(body).hexdigest():
+        return None
+    return data.decode()
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -80,11 +80,15 @@ def forward_candidates(head_dim: int, device_type: str) -> list[TileConfig]:
     return [default]
 
 
-def backward_config(head_dim: int, device_type: str) -> BackwardConfig:
+def backward_config(head_dim: int, device_type: str, element_size: int = 2) -> BackwardConfig:
     if "bwd" in _overrides:
         return _overrides["bwd"]
     if device_type != "cuda":
         return BackwardConfig(TileConfig(32, 32, 4, 1), TileConfig(32, 32, 4, 1))
+    if element_size > 2:
+        # float32 operands take twice the shared memory: 128×64 tiles asked for 288 KiB at
+        # D=64 on an H100 (227 KiB there). These are the tiles 16-bit D=256 runs with.
+        return BackwardConfig(TileConfig(64, 32, 4, 2), TileConfig(32, 64, 4, 2))
     if head_dim <= 128:
         # Swept on an H100 at D=128 (benchmarks/NOTES.md): long kv tiles for dQ and long q
         # tiles for dK/dV, 8 warps, beat 64×64 with 4 warps by a quarter on no mask and causal.

@@ -1,6 +1,7 @@
 """CompiledKernel and maskc.compile(): a specialised kernel, looked up or generated."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,12 @@ from maskc.trace.mods import as_mask_mod, as_score_mod
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+# NOTE: Triton's interpreter (3.9) patches triton.language's builtins for the length of a
+# launch and restores them after, and keeps the grid position in one global builder, so two
+# threads interpreting at once undo each other's patches mid-kernel (InterpreterError, 20-40%
+# of calls with two threads). Interpreted launches take turns on this lock; compiled CUDA
+# launches do not take it.
+_INTERPRETER = threading.Lock()
 
 
 @dataclass
@@ -35,8 +42,26 @@ class CompiledKernel:
         name = name or KERNEL_NAMES[self.spec.kind][0]
         module = self._functions.get(interpret)
         if module is None:
+            self.path = KERNELS.importable(self.path, self.source)
             module = self._functions[interpret] = loader.load(self.path, interpret=interpret)
-        return getattr(module, name)
+        fn = getattr(module, name)
+        return _Interpreted(fn) if interpret else fn
+
+
+class _Interpreted:
+    """An interpreted @triton.jit function whose launches (`fn[grid](...)`) hold _INTERPRETER."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        launch = self.fn[grid]
+
+        def serialised(*args, **kwargs):
+            with _INTERPRETER:
+                return launch(*args, **kwargs)
+
+        return serialised
 
 
 def arch_of(device: torch.device) -> str:

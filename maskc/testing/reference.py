@@ -5,22 +5,37 @@ import math
 
 import torch
 
-from maskc.trace.mods import as_mask_mod, as_score_mod
 
 
 def dense_mask(mask_mod, q_len: int, kv_len: int, B: int = 1, H: int = 1, device=None) -> torch.Tensor:
-    """bool [B, H, q_len, kv_len]: the user's mask_mod called on broadcast index tensors.
+    """bool [B, H, q_len, kv_len]: the user's mask_mod evaluated on every (b, h, q_idx, kv_idx).
 
-    Independent of tracing: this evaluates the original Python function, as
-    FlexAttention's create_mask does.
+    Independent of tracing, and with FlexAttention's semantics: the function sees one 0-d
+    index of each kind at a time, through torch.vmap, as create_mask calls it (chained
+    indexing such as `bias[b][q_idx]` means what it means there).
     """
-    fn = mask_mod.fn if hasattr(mask_mod, "fn") else mask_mod
     ar = lambda n: torch.arange(n, device=device)  # noqa: E731
-    out = fn(ar(B).view(-1, 1, 1, 1), ar(H).view(1, -1, 1, 1), ar(q_len).view(1, 1, -1, 1),
-             ar(kv_len).view(1, 1, 1, -1))
-    if not isinstance(out, torch.Tensor):
-        out = torch.tensor(bool(out), device=device)
+    out = _per_element(_user_function(mask_mod), with_score=False)(ar(B), ar(H), ar(q_len), ar(kv_len))
     return out.to(torch.bool).expand(B, H, q_len, kv_len)
+
+
+def _user_function(mod):
+    """The function the user wrote, not maskc's traced wrapper of it (no tracing here)."""
+    return mod.fn if getattr(mod, "_maskc_mod", False) else mod
+
+
+def _per_element(fn, with_score: bool):
+    """`fn` vmapped over b, h, q_idx and kv_idx (kv_idx innermost); the score, if any, is
+    batched at every level. A mod that returns a Python number gets it as a tensor."""
+    def as_tensor(*args):
+        out = fn(*args)
+        return out if isinstance(out, torch.Tensor) else torch.tensor(out)
+
+    mapped = as_tensor
+    for axis in (3, 2, 1, 0):
+        dims = tuple(0 if i == axis else None for i in range(4))
+        mapped = torch.vmap(mapped, in_dims=((0,) + dims) if with_score else dims)
+    return mapped
 
 
 def dense_tiles(mask: torch.Tensor, block_size) -> torch.Tensor:
@@ -57,15 +72,11 @@ def attention_reference(q, k, v, mask_mod=None, score_mod=None, scale=None, enab
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
     dev = q.device
-    b = torch.arange(B, device=dev).view(-1, 1, 1, 1)
-    h = torch.arange(Hq, device=dev).view(1, -1, 1, 1)
-    qi = torch.arange(Lq, device=dev).view(1, 1, -1, 1)
-    ki = torch.arange(Lkv, device=dev).view(1, 1, 1, -1)
-    score_mod = as_score_mod(score_mod)
     if score_mod is not None:
-        scores = score_mod.fn(scores, b, h, qi, ki).to(torch.float64).expand(B, Hq, Lq, Lkv)
+        scores = _per_element(_user_function(score_mod), with_score=True)(
+            scores, *(torch.arange(n, device=dev) for n in (B, Hq, Lq, Lkv))).to(torch.float64)
     if mask_mod is not None:
-        keep = dense_mask(as_mask_mod(mask_mod), Lq, Lkv, B, Hq, device=dev)
+        keep = dense_mask(mask_mod, Lq, Lkv, B, Hq, device=dev)
         scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0))

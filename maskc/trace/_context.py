@@ -1,12 +1,15 @@
 """State of the trace in progress: whose function it is, and the tensors it captured.
 
-Kept module-level because proxies are created deep inside user code, where no argument can
-carry it; tracing is single-threaded per process (guarded by a lock in the tracer).
+Kept out of the call arguments because proxies are created deep inside user code, where no
+argument can carry it. It is per thread, so that a proxy only ever reports to the trace of
+its own thread, and a stack, so that a mod body that builds another mod (and so traces it)
+gets its own state back afterwards.
 """
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -20,47 +23,63 @@ class TraceState:
     name: str
     filename: str
     lineno: int
-    user_codes: set = field(default_factory=set)
+    user_codes: set = field(default_factory=set)  # shared with the tracer, which adds codes as it rebinds them
     tensors: list = field(default_factory=list)
 
 
-_state: TraceState | None = None
+_local = threading.local()
+
+
+def _stack() -> list:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def current() -> TraceState | None:
+    stack = _stack()
+    return stack[-1] if stack else None
 
 
 def begin(state: TraceState) -> None:
-    global _state
-    _state = state
+    """Make `state` this thread's trace in progress, until the matching end()."""
+    _stack().append(state)
 
 
 def end() -> None:
-    global _state
-    _state = None
+    _stack().pop()
 
 
 def tensor_slot(tensor: torch.Tensor) -> int:
     """The index of `tensor` among the tensors this trace captured, registering it if new."""
-    for i, t in enumerate(_state.tensors):
+    state = current()
+    if state is None:
+        fail("indexes a tensor", "use traced values only inside the mod while maskc traces it")
+    tensors = state.tensors
+    for i, t in enumerate(tensors):
         if t is tensor:
             return i
-    _state.tensors.append(tensor)
-    return len(_state.tensors) - 1
+    tensors.append(tensor)
+    return len(tensors) - 1
 
 
-def _user_location() -> tuple[str, int]:
+def _user_location(state: TraceState) -> tuple[str, int]:
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code in _state.user_codes:
+        if frame.f_code in state.user_codes:
             return frame.f_code.co_filename, frame.f_lineno
         frame = frame.f_back
-    return _state.filename, _state.lineno
+    return state.filename, state.lineno
 
 
 def fail(what: str, fix: str):
     """Raise MaskTraceError: '<kind> '<name>' <what> at <file>:<line>; <fix>'."""
-    if _state is None:
+    state = current()
+    if state is None:
         raise MaskTraceError(f"a traced value {what} outside of tracing; {fix}")
-    filename, lineno = _user_location()
+    filename, lineno = _user_location(state)
     raise MaskTraceError(
-        f"{_state.kind} '{_state.name}' {what} at {os.path.basename(filename)}:{lineno} "
+        f"{state.kind} '{state.name}' {what} at {os.path.basename(filename)}:{lineno} "
         f"({filename}); {fix}"
     )

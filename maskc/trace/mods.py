@@ -1,10 +1,11 @@
-"""MaskMod and ScoreMod: a user function together with its trace."""
+"""MaskMod and ScoreMod: a user function together with its trace, kept current by guards."""
 from __future__ import annotations
 
 import functools
+import types
 import weakref
 
-from maskc.trace.tracer import Traced, trace
+from maskc.trace.tracer import Traced, callable_name, guards_hold, trace
 
 
 class _Mod:
@@ -13,10 +14,21 @@ class _Mod:
 
     def __init__(self, fn, name: str | None = None):
         self.fn = fn.fn if isinstance(fn, _Mod) else fn
-        functools.update_wrapper(self, self.fn)
-        if name is not None:
-            self.__name__ = self.__qualname__ = name
-        self.traced: Traced = trace(self, self.kind)
+        # updated=(): a callable object's attributes must not land on (and clobber) the mod's
+        functools.update_wrapper(self, self.fn, updated=())
+        if name is not None or not hasattr(self, "__name__"):
+            self.__name__ = self.__qualname__ = name or callable_name(self.fn)
+        self._traced = trace(self, self.kind)
+
+    @property
+    def traced(self) -> Traced:
+        """The trace of the values the function reads now: traced again when a global, closure
+        cell or attribute it read has changed since (a new trace object; the same signature,
+        and so the same kernel, when only a captured number changed)."""
+        traced = self._traced
+        if not guards_hold(traced.guards):
+            traced = self._traced = trace(self, self.kind)
+        return traced
 
     def __call__(self, *args):
         return self.fn(*args)
@@ -69,7 +81,10 @@ def score_mod(fn=None, *, name: str | None = None):
     return ScoreMod(fn, name)
 
 
-# Plain functions are traced on first use; the trace is kept as long as the function lives.
+# Plain functions are wrapped and traced on first use, and the wrapper re-checks its trace on
+# every use like a decorated mod. A Python function keeps its wrapper as an attribute, so the
+# two are freed together (a weak-keyed table would hold the function through the wrapper's
+# `fn` forever); other callables (partials, objects) live in the table below.
 _plain_traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -79,6 +94,13 @@ def _as(cls, fn):
     if isinstance(fn, _Mod):
         raise TypeError(f"expected a {cls.kind}, got a {fn.kind} '{fn.__name__}'; "
                         f"pass it as {fn.kind}= instead")
+    if isinstance(fn, types.FunctionType):
+        attribute = f"_maskc_{cls.kind}"
+        cached = fn.__dict__.get(attribute)
+        if cached is None:
+            cached = cls(fn)
+            setattr(fn, attribute, cached)
+        return cached
     try:
         cached = _plain_traces.get(fn)
     except TypeError:  # not weak-referenceable: trace every time

@@ -1,18 +1,22 @@
 """Proxy values: stand-ins for b, h, q_idx, kv_idx and score that record what the user does.
 
-Every operator returns a new Proxy around a sympy expression. Python control flow on a
-proxy (`if`, `and`, `or`, `not`, `bool()`, `int()`, `range()`) cannot be recorded, so it
-raises MaskTraceError pointing at the user's line.
+Every operator returns a new Proxy around a sympy expression, with torch's semantics for
+the kind of value it holds: a boolean, an integer or a float, read from the expression (see
+`Proxy.dtype`). Torch functions and tensor methods reach `_functions.call` and are looked
+up by identity there. Python control flow on a proxy (`if`, `and`, `or`, `not`, `bool()`,
+`int()`, `range()`) cannot be recorded, so it raises MaskTraceError pointing at the user's line.
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 import sympy
 import torch
 
 from maskc.trace import _context
-from maskc.trace.symbols import LoadBool, LoadFloat, LoadInt
+from maskc.trace.canonical import conjunction, disjunction, negation, parity, piecewise
+from maskc.trace.symbols import BitAnd, BitOr, BitXor, LeftShift, LoadBool, LoadInt, RightShift, Trunc
 
 
 class Proxy:
@@ -22,6 +26,7 @@ class Proxy:
 
     def __init__(self, expr):
         self.expr = sympy.sympify(expr)
+        _functions.on_new_value()
 
     # -- kinds -----------------------------------------------------------------------------
     @property
@@ -29,102 +34,161 @@ class Proxy:
         # sympy Symbols are both Expr and Boolean; only non-Expr booleans are truth values
         return isinstance(self.expr, sympy.logic.boolalg.Boolean) and not isinstance(self.expr, sympy.Expr)
 
+    @property
+    def is_int(self) -> bool:
+        return not self.is_bool and integral(self.expr)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype FlexAttention's value would have: its index arguments are int32."""
+        return torch.bool if self.is_bool else torch.int32 if self.is_int else torch.float32
+
+    # FlexAttention calls a mod on 0-d tensors (through vmap): torch's own noop_mask passes
+    # device=b.device to new_ones, and mods write x.new_zeros(x.shape).
+    shape = torch.Size([])
+    ndim = 0
+    device = torch.device("cpu")  # where the value lives does not change what it is
+
     def __repr__(self):
         return f"Proxy({self.expr})"
 
     # -- arithmetic ------------------------------------------------------------------------
     def __add__(self, other):
-        return _arith(self, other, lambda a, b: a + b)
+        return add(self, other)
 
     def __radd__(self, other):
-        return _arith(other, self, lambda a, b: a + b)
+        return add(other, self)
 
     def __sub__(self, other):
-        return _arith(self, other, lambda a, b: a - b)
+        return sub(self, other)
 
     def __rsub__(self, other):
-        return _arith(other, self, lambda a, b: a - b)
+        return sub(other, self)
 
     def __mul__(self, other):
-        return _arith(self, other, lambda a, b: a * b)
+        return mul(self, other)
 
     def __rmul__(self, other):
-        return _arith(other, self, lambda a, b: a * b)
+        return mul(other, self)
 
     def __truediv__(self, other):
-        return _arith(self, other, lambda a, b: a / b)
+        return arith(self, other, lambda a, b: a / b)
 
     def __rtruediv__(self, other):
-        return _arith(other, self, lambda a, b: a / b)
+        return arith(other, self, lambda a, b: a / b)
 
     def __floordiv__(self, other):
-        return _arith(self, other, _floordiv)
+        return arith(self, other, floordiv)
 
     def __rfloordiv__(self, other):
-        return _arith(other, self, _floordiv)
+        return arith(other, self, floordiv)
 
     def __mod__(self, other):
-        return _arith(self, other, sympy.Mod)
+        return arith(self, other, sympy.Mod)
 
     def __rmod__(self, other):
-        return _arith(other, self, sympy.Mod)
+        return arith(other, self, sympy.Mod)
+
+    def __divmod__(self, other):
+        return self // other, self % other
 
     def __pow__(self, other):
-        return _arith(self, other, lambda a, b: a**b)
+        return arith(self, other, lambda a, b: a**b)
 
     def __rpow__(self, other):
-        return _arith(other, self, lambda a, b: a**b)
+        return arith(other, self, lambda a, b: a**b)
 
     def __neg__(self):
-        return Proxy(-_number(self))
+        if self.is_bool:
+            _context.fail("negates a boolean (torch refuses it too)", "use ~ for booleans, or .long() first")
+        return Proxy(-self.expr)
 
     def __pos__(self):
         return self
 
     def __abs__(self):
-        return Proxy(sympy.Abs(_number(self)))
+        return self if self.is_bool else Proxy(sympy.Abs(self.expr))
+
+    # -- rounding, as math.floor/ceil/trunc and round() ask for it ---------------------------
+    def __floor__(self):
+        return unary(self, sympy.floor)
+
+    def __ceil__(self):
+        return unary(self, sympy.ceiling)
+
+    def __trunc__(self):
+        return unary(self, trunc)
+
+    def __round__(self, ndigits=None):
+        return round_half_even(self, ndigits or 0)
 
     # -- comparisons -----------------------------------------------------------------------
     def __lt__(self, other):
-        return _compare(self, other, sympy.Lt)
+        return compare(self, other, sympy.Lt)
 
     def __le__(self, other):
-        return _compare(self, other, sympy.Le)
+        return compare(self, other, sympy.Le)
 
     def __gt__(self, other):
-        return _compare(self, other, sympy.Gt)
+        return compare(self, other, sympy.Gt)
 
     def __ge__(self, other):
-        return _compare(self, other, sympy.Ge)
+        return compare(self, other, sympy.Ge)
 
     def __eq__(self, other):
-        return _compare(self, other, sympy.Eq)
+        return compare(self, other, sympy.Eq)
 
     def __ne__(self, other):
-        return _compare(self, other, sympy.Ne)
+        return compare(self, other, sympy.Ne)
 
     __hash__ = object.__hash__
 
-    # -- logic -----------------------------------------------------------------------------
+    # -- logic and bits --------------------------------------------------------------------
     def __and__(self, other):
-        return _logic(self, other, sympy.And, "&")
+        return bitwise(self, other, "&")
 
-    __rand__ = __and__
+    def __rand__(self, other):
+        return bitwise(other, self, "&")
 
     def __or__(self, other):
-        return _logic(self, other, sympy.Or, "|")
+        return bitwise(self, other, "|")
 
-    __ror__ = __or__
+    def __ror__(self, other):
+        return bitwise(other, self, "|")
 
     def __xor__(self, other):
-        return _logic(self, other, sympy.Xor, "^")
+        return bitwise(self, other, "^")
 
-    __rxor__ = __xor__
+    def __rxor__(self, other):
+        return bitwise(other, self, "^")
 
     def __invert__(self):
-        if not self.is_bool:
-            _context.fail("applies '~' to a non-boolean value", "use '-x - 1' for integers or build the condition first")
-        return Proxy(sympy.Not(self.expr))
+        if self.is_bool:
+            return Proxy(negation(self.expr))
+        return Proxy(-integer(self, "~") - 1)
+
+    def __lshift__(self, other):
+        return shift(self, other, "<<")
+
+    def __rlshift__(self, other):
+        return shift(other, self, "<<")
+
+    def __rshift__(self, other):
+        return shift(self, other, ">>")
+
+    def __rrshift__(self, other):
+        return shift(other, self, ">>")
+
+    # -- torch -----------------------------------------------------------------------------
+    def __getattr__(self, name):
+        # tensor methods (q_idx.clamp(0, 8), score.exp()): the same table as torch functions
+        if name.startswith("_") or not hasattr(torch.Tensor, name):
+            raise AttributeError(f"'Proxy' object has no attribute {name!r}")
+        return _functions.method(self, name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _functions.call(func, *args, **(kwargs or {}))
 
     # -- what cannot be traced -------------------------------------------------------------
     def __bool__(self):
@@ -148,15 +212,41 @@ class Proxy:
         _context.fail("iterates over a traced value", "index captured tensors with the value instead")
 
     def __len__(self):
-        _context.fail("asks the len() of a traced value", "use the lengths of captured tensors instead")
+        # torch.tensor(x) and torch.as_tensor(x) ask this too, as x has __getitem__
+        _context.fail("asks the len() of a traced value, or makes a tensor of it with torch.tensor()",
+                      "a traced value is a scalar tensor already: use it directly; for sizes use the lengths of "
+                      "captured tensors")
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _torch_call(func, args, kwargs or {})
+    def __getitem__(self, index):
+        _context.fail("indexes a traced value", "traced values are scalars: index captured tensors with them instead")
 
 
-def wrap(value):
-    """A Proxy for a Python number, bool, sympy expression or Proxy."""
+_INTEGER_NODES = (sympy.Integer, sympy.floor, sympy.ceiling, Trunc, BitAnd, BitOr, BitXor, LeftShift, RightShift,
+                  LoadInt, LoadBool)
+_INTEGER_OF_INTEGERS = (sympy.Add, sympy.Mul, sympy.Min, sympy.Max, sympy.Abs, sympy.Mod, sympy.sign)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def integral(expr) -> bool:
+    """Whether `expr` is an integer in torch's sense: integers combined by integer operations.
+    Read from the structure, once per distinct node: sympy's `is_integer` is None for
+    floor(kv_idx / p0) (p0 could be 0), and for a product it walks the whole tree of its
+    factors, which is exponential for nested torch.where."""
+    if isinstance(expr, _INTEGER_NODES):
+        return True
+    if isinstance(expr, sympy.Symbol):
+        return bool(expr.is_integer)
+    if isinstance(expr, _INTEGER_OF_INTEGERS):
+        return all(integral(a) for a in expr.args)
+    if isinstance(expr, sympy.Pow):
+        return integral(expr.base) and integral(expr.exp) and expr.exp.is_nonnegative is True
+    if isinstance(expr, sympy.Piecewise):
+        return all(integral(pair.expr) for pair in expr.args)
+    return False
+
+
+def wrap(value) -> Proxy:
+    """A Proxy for a Python number, bool, sympy expression, 0-d captured tensor or Proxy."""
     if isinstance(value, Proxy):
         return value
     if isinstance(value, bool):
@@ -166,135 +256,208 @@ def wrap(value):
     if isinstance(value, numbers.Real):
         return Proxy(sympy.Float(float(value)))
     if isinstance(value, torch.Tensor) and value.dim() == 0:
-        return Proxy(_load_tensor(value, ()))
+        return Proxy(_functions.load(value, ()))
     if isinstance(value, sympy.Basic):
         return Proxy(value)
+    if isinstance(value, _functions.TensorView):
+        value.refuse()
     _context.fail(f"combines a traced value with an object of type {type(value).__name__}",
                   "use Python numbers, captured tensors indexed by traced values, or other traced values")
 
 
-def _number(p: Proxy):
+def number(p: Proxy):
     """The expression of `p` as a number: booleans count as 0/1, as in torch."""
     if p.is_bool:
-        return sympy.Piecewise((sympy.Integer(1), p.expr), (sympy.Integer(0), True))
+        return piecewise((sympy.Integer(1), p.expr), (sympy.Integer(0), sympy.true))
     return p.expr
 
 
-def _floordiv(a, b):
+def boolean(p: Proxy):
+    """The expression of `p` as a truth value: numbers are true when nonzero, as in torch."""
+    return p.expr if p.is_bool else relation(sympy.Ne, p.expr, sympy.Integer(0))
+
+
+def relation(rel, a, b):
+    # NOTE: unevaluated: sympy would ask the assumptions of a - b, which for nested torch.where
+    # walks the whole tree; canonicalize() evaluates each relation once its sides are simple.
+    return rel(a, b, evaluate=False)
+
+
+def integer(p: Proxy, op: str):
+    """The expression of `p` for an integer-only operation `op`."""
+    if not p.is_bool and not p.is_int:
+        _context.fail(f"applies '{op}' to a floating-point value {p.expr}",
+                      "bitwise operations and shifts take integers or booleans; convert with .long() first")
+    return number(p)
+
+
+# -- arithmetic --------------------------------------------------------------------------------
+def arith(a, b, op) -> Proxy:
+    return Proxy(op(number(wrap(a)), number(wrap(b))))
+
+
+def unary(x, fn) -> Proxy:
+    return Proxy(fn(number(wrap(x))))
+
+
+def add(a, b) -> Proxy:
+    pa, pb = wrap(a), wrap(b)
+    if pa.is_bool and pb.is_bool:
+        return Proxy(disjunction(pa.expr, pb.expr))  # torch: True + True is True
+    return Proxy(number(pa) + number(pb))
+
+
+def sub(a, b) -> Proxy:
+    pa, pb = wrap(a), wrap(b)
+    if pa.is_bool and pb.is_bool:
+        _context.fail("subtracts two booleans (torch refuses it too)", "use ^ or & ~ for booleans, or .long() first")
+    return Proxy(number(pa) - number(pb))
+
+
+def mul(a, b) -> Proxy:
+    pa, pb = wrap(a), wrap(b)
+    if pa.is_bool and pb.is_bool:
+        return Proxy(conjunction(pa.expr, pb.expr))
+    return Proxy(number(pa) * number(pb))
+
+
+def floordiv(a, b):
     return sympy.floor(a / b)
 
 
-def _arith(a, b, op):
-    return Proxy(op(_number(wrap(a)), _number(wrap(b))))
+def trunc(x):
+    """x rounded toward zero: C's integer division and float-to-integer conversion."""
+    if integral(x):
+        return x
+    if x.is_Number:
+        return sympy.Integer(int(x))
+    return Trunc(x)
 
 
-def _compare(a, b, rel):
-    return Proxy(rel(_number(wrap(a)), _number(wrap(b))))
+def fmod(a, b):
+    """torch.fmod: the remainder with the sign of the dividend, as C computes it."""
+    return a - trunc(a / b) * b
 
 
-def _boolean(p: Proxy, op: str):
-    if not p.is_bool:
-        _context.fail(f"applies '{op}' to a non-boolean value {p.expr}",
-                      "compare it first (for example 'x != 0'); bitwise operations on integers are not supported")
-    return p.expr
+def round_half_even(x, decimals: int = 0) -> Proxy:
+    """torch.round and Python's round(): halves go to the even neighbour."""
+    e = number(wrap(x))
+    if integral(e) and decimals >= 0:
+        return Proxy(e)
+    scaled = e * sympy.Integer(10) ** decimals
+    low = sympy.floor(scaled)
+    rest = scaled - low
+    half = sympy.Rational(1, 2)
+    rounded = piecewise((low, rest < half), (low + 1, rest > half), (low + sympy.Mod(low, 2), sympy.true))
+    return Proxy(rounded / sympy.Integer(10) ** decimals)
 
 
-def _logic(a, b, op, name):
-    return Proxy(op(_boolean(wrap(a), name), _boolean(wrap(b), name)))
-
-
-# -- captured tensors ----------------------------------------------------------------------
-def _load_tensor(tensor: torch.Tensor, index: tuple):
-    slot = _context.tensor_slot(tensor)
-    if tensor.dtype == torch.bool:
-        return sympy.Ne(LoadBool(slot, *index), 0)
-    if tensor.dtype.is_floating_point:
-        return LoadFloat(slot, *index)
-    if tensor.dtype.is_complex:
-        _context.fail("indexes a complex tensor", "capture an integer, boolean or floating-point tensor")
-    return LoadInt(slot, *index)
-
-
-def _getitem(tensor: torch.Tensor, index):
-    index = index if isinstance(index, tuple) else (index,)
-    exprs = []
-    for i in index:
-        if isinstance(i, (slice, type(Ellipsis))) or i is None:
-            _context.fail("slices a captured tensor with ':', '...' or None",
-                          "index it with one traced value or integer per dimension, like table[h, q_idx]")
-        p = wrap(i)
-        if p.is_bool or not p.expr.is_integer:
-            _context.fail(f"indexes a captured tensor with the non-integer value {p.expr}",
-                          "index with integer expressions of b, h, q_idx and kv_idx")
-        exprs.append(p.expr)
-    if len(exprs) != tensor.dim():
-        _context.fail(f"indexes a captured tensor of {tensor.dim()} dimensions with {len(exprs)} indices",
-                      "give one index per dimension, like table[h, q_idx] for a 2-d tensor")
-    return Proxy(_load_tensor(tensor, tuple(exprs)))
-
-
-# -- torch functions -----------------------------------------------------------------------
-def _where(cond, a, b):
-    c = _boolean(wrap(cond), "torch.where")
+def extreme(a, b, fn) -> Proxy:
+    """torch.maximum (fn=Max) or minimum (Min); of two booleans it is | or &."""
     pa, pb = wrap(a), wrap(b)
     if pa.is_bool and pb.is_bool:
-        return Proxy(sympy.Or(sympy.And(c, pa.expr), sympy.And(sympy.Not(c), pb.expr)))
-    return Proxy(sympy.Piecewise((_number(pa), c), (_number(pb), True)))
+        return Proxy((disjunction if fn is sympy.Max else conjunction)(pa.expr, pb.expr))
+    return Proxy(fn(number(pa), number(pb)))
 
 
-def _clamp(x, min=None, max=None):
-    e = _number(wrap(x))
+def clamp(x, min=None, max=None) -> Proxy:
+    e = number(wrap(x))
     if min is not None:
-        e = sympy.Max(e, _number(wrap(min)))
+        e = sympy.Max(e, number(wrap(min)))
     if max is not None:
-        e = sympy.Min(e, _number(wrap(max)))
+        e = sympy.Min(e, number(wrap(max)))
     return Proxy(e)
 
 
-def _unary(fn):
-    return lambda x: Proxy(fn(_number(wrap(x))))
+# -- comparisons and logic ---------------------------------------------------------------------
+def compare(a, b, rel) -> Proxy:
+    pa, pb = wrap(a), wrap(b)
+    if rel in (sympy.Eq, sympy.Ne) and pa.is_bool and pb.is_bool:
+        # Eq of two conditions would be Eq of 0/1 Piecewise, which no later stage can read
+        differ = parity(pa.expr, pb.expr)
+        return Proxy(differ if rel is sympy.Ne else negation(differ))
+    return Proxy(relation(rel, number(pa), number(pb)))
 
 
-def _binary(fn):
-    return lambda a, b: Proxy(fn(_number(wrap(a)), _number(wrap(b))))
+_BOOLEAN_OPS = {"&": conjunction, "|": disjunction, "^": parity}
+_LITERAL_MASKS = {"&": (0, -1), "|": (-1, 0), "^": (None, 0)}  # (absorbing, identity)
 
 
-def _sigmoid(x):
-    return 1 / (1 + sympy.exp(-x))
+def bitwise(a, b, op: str) -> Proxy:
+    """`a & b`, `a | b`, `a ^ b`: logic of two booleans, bitwise on integers (torch promotes a
+    boolean beside an integer to 0/1)."""
+    pa, pb = wrap(a), wrap(b)
+    if pa.is_bool and pb.is_bool:
+        return Proxy(_BOOLEAN_OPS[op](pa.expr, pb.expr))
+    x, y = integer(pa, op), integer(pb, op)
+    if isinstance(x, sympy.Integer):
+        x, y = y, x
+    if isinstance(y, sympy.Integer):
+        m = int(y)
+        absorbing, identity = _LITERAL_MASKS[op]
+        if m == identity:
+            return Proxy(x)
+        if m == absorbing:
+            return Proxy(y)
+        if op == "^" and m == -1:
+            return Proxy(-x - 1)
+        if op == "&" and m > 0 and (m + 1) & m == 0:
+            return Proxy(sympy.Mod(x, m + 1))  # x & (2**k - 1): the low k bits, in two's complement too
+        if op == "&" and m < 0 and -m & (-m - 1) == 0:
+            return Proxy(x - sympy.Mod(x, -m))  # x & -(2**k): the low k bits cleared
+    return Proxy({"&": BitAnd, "|": BitOr, "^": BitXor}[op](x, y))
 
 
-_TORCH_FUNCTIONS = {
-    "where": _where,
-    "minimum": _binary(sympy.Min),
-    "maximum": _binary(sympy.Max),
-    "min": _binary(sympy.Min),
-    "max": _binary(sympy.Max),
-    "abs": _unary(sympy.Abs),
-    "clamp": _clamp,
-    "clip": _clamp,
-    "exp": _unary(sympy.exp),
-    "log": _unary(sympy.log),
-    "tanh": _unary(sympy.tanh),
-    "sigmoid": _unary(_sigmoid),
-    "sqrt": _unary(sympy.sqrt),
-    "floor_divide": _binary(_floordiv),
-    "remainder": _binary(sympy.Mod),
-    "logical_and": lambda a, b: wrap(a) & wrap(b),
-    "logical_or": lambda a, b: wrap(a) | wrap(b),
-    "logical_not": lambda a: ~wrap(a),
-    "__getitem__": _getitem,
-}
+def shift(a, b, op: str) -> Proxy:
+    """`a << b`, `a >> b` of integers: a literal shift is a multiplication or a floor division."""
+    x, s = integer(wrap(a), op), integer(wrap(b), op)
+    if isinstance(s, sympy.Integer):
+        if s < 0:
+            _context.fail(f"shifts by the negative amount {s}", "shift by a nonnegative amount")
+        return Proxy(x * 2**s if op == "<<" else sympy.floor(x / 2**s))
+    return Proxy((LeftShift if op == "<<" else RightShift)(x, s))
 
 
-def _torch_call(func, args, kwargs):
-    name = getattr(func, "__name__", str(func))
-    if name.startswith("__") and name != "__getitem__" and hasattr(Proxy, name) and args:
-        # `captured_tensor * proxy` reaches us as Tensor.__mul__(tensor, proxy); a 0-d
-        # tensor becomes a load, any other tensor is refused by wrap().
-        return getattr(wrap(args[0]), name)(*args[1:])
-    handler = _TORCH_FUNCTIONS.get(name)
-    if handler is None:
-        _context.fail(f"calls torch.{name}, which maskc cannot trace",
-                      "use + - * / // % comparisons & | ~ torch.where/minimum/maximum/abs/clamp, "
-                      "and in score mods torch.exp/log/tanh/sigmoid/sqrt")
-    return handler(*args, **kwargs)
+def where(cond, a, b) -> Proxy:
+    c = wrap(cond)
+    if not c.is_bool:
+        _context.fail(f"passes the non-boolean condition {c.expr} to torch.where",
+                      "compare it first, like torch.where(x != 0, a, b)")
+    pa, pb = wrap(a), wrap(b)
+    if pa.is_bool and pb.is_bool:
+        return Proxy(_choose(c.expr, pa.expr, pb.expr))
+    return Proxy(piecewise((number(pa), c.expr), (number(pb), sympy.true)))
+
+
+def _choose(c, a, b):
+    """torch.where of booleans, with c written once where the choice allows: a nest of
+    where(c, m, ~m) stays linear in size."""
+    if a == b:
+        return a
+    if b == negation(a):
+        return negation(parity(c, a))
+    if a == negation(b):
+        return parity(c, b)
+    if a is sympy.true or b is sympy.false:
+        return conjunction(c, a) if b is sympy.false else disjunction(c, b)
+    if a is sympy.false or b is sympy.true:
+        return conjunction(negation(c), b) if a is sympy.false else disjunction(negation(c), a)
+    return disjunction(conjunction(c, a), conjunction(negation(c), b))
+
+
+def cast(x, dtype) -> Proxy:
+    """`x.to(dtype)`: a float converted to an integer dtype is truncated; to bool, nonzero."""
+    p = wrap(x)
+    if dtype is None:
+        return p
+    if dtype == torch.bool:
+        return Proxy(boolean(p))
+    if dtype.is_complex:
+        _context.fail(f"converts a traced value to {dtype}", "use a real dtype")
+    if dtype.is_floating_point or p.is_bool:
+        return Proxy(number(p))
+    return Proxy(trunc(p.expr))
+
+
+# NOTE: imported last: its table of torch functions refers to the operations above.
+from maskc.trace import _functions  # noqa: E402

@@ -53,3 +53,54 @@ LOADS = (LoadInt, LoadFloat, LoadBool)
 
 def is_load(expr) -> bool:
     return isinstance(expr, LOADS)
+
+
+# -- integer operations sympy has no node for ------------------------------------------------
+# The tracer builds them, the printer prints them, and the interval and dense evaluators give
+# them ranges and values; each is an integer of its integer arguments, with torch's semantics.
+class _IntegerOp(sympy.Function):
+    def _eval_is_integer(self):
+        return True
+
+    def _eval_is_real(self):
+        return True
+
+
+class BitAnd(_IntegerOp):
+    """`a & b` of integers (torch.bitwise_and)."""
+
+    nargs = 2
+
+
+class BitOr(_IntegerOp):
+    """`a | b` of integers (torch.bitwise_or)."""
+
+    nargs = 2
+
+
+class BitXor(_IntegerOp):
+    """`a ^ b` of integers (torch.bitwise_xor)."""
+
+    nargs = 2
+
+
+class LeftShift(_IntegerOp):
+    """`a << b` of integers, b >= 0 (a literal shift is traced as a * 2**b instead)."""
+
+    nargs = 2
+
+
+class RightShift(_IntegerOp):
+    """`a >> b` of integers: floor(a / 2**b), b >= 0 (a literal shift is traced as floor instead)."""
+
+    nargs = 2
+
+
+class Trunc(_IntegerOp):
+    """A float converted to an integer dtype (`.long()`, `.to(torch.int32)`): rounds toward zero."""
+
+    nargs = 1
+
+
+INTEGER_OPS = (BitAnd, BitOr, BitXor, LeftShift, RightShift, Trunc)
+
