@@ -22,6 +22,7 @@ from maskc.analysis.intervals import Interval, IntervalEvaluator, TensorSummarie
 from maskc.analysis._shapes import broadcast
 from maskc.analysis.pieces import OPS, Pieces, pack
 from maskc.analysis.rows import Cuts, HostPieces, row_pieces
+from maskc.trace import dag
 from maskc.trace import symbols as S
 from maskc.trace.mods import as_mask_mod
 
@@ -264,12 +265,12 @@ class _Analysis:
 # at many lengths, tile sizes and parameter values, and this costs more than the tensor steps --
 @functools.lru_cache(maxsize=1024)
 def _free_symbols(e) -> frozenset:
-    return frozenset(e.free_symbols)
+    return dag.free_symbols(e)
 
 
 @functools.lru_cache(maxsize=1024)
 def _reads_kv(e) -> bool:
-    return S.KV_IDX in e.free_symbols
+    return S.KV_IDX in dag.free_symbols(e)
 
 
 @functools.lru_cache(maxsize=1024)

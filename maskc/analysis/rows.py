@@ -95,25 +95,33 @@ def row_pieces(expr, leaves: dict, n_q: int, n_kv: int) -> HostPieces:
     if len(cuts) > 1:  # one threshold's cuts are in order already
         starts.sort(-1)
     # pieces from n_kv on take the last tile's key: they never make a run of their own
-    key = _key(expr, leaves, np.minimum(starts, n_kv - 1))
+    key = _key(expr, leaves, np.minimum(starts, n_kv - 1), {})
     key = np.full(starts.shape, key, dtype=np.int8) if np.ndim(key) == 0 else key
     key[..., -1] = EMPTY * 2 + 1
     return HostPieces(starts, key, n_kv)
 
 
-def _key(e, leaves, tiles) -> np.ndarray | int:
-    """The key of e at kv tiles [B', H', n_q, P]: a new array, or a number for all."""
+def _key(e, leaves, tiles, memo: dict) -> np.ndarray | int:
+    """The key of e at kv tiles [B', H', n_q, P]: a new array, or a number for all. `memo`
+    holds each subexpression's key by identity: a torch.where nest shares its subexpressions."""
+    found = memo.get(id(e))
+    if found is None:
+        found = memo[id(e)] = (e, _key_of(e, leaves, tiles, memo))
+    return found[1]
+
+
+def _key_of(e, leaves, tiles, memo) -> np.ndarray | int:
     if e is sympy.true or e is sympy.false:
         return (FULL if e is sympy.true else EMPTY) * 2 + 1
     if isinstance(e, (sympy.And, sympy.Or, sympy.Xor)):
         table = host_table(OPS[type(e).__name__.lower()])
-        keys = [_key(a, leaves, tiles) for a in e.args]
+        keys = [_key(a, leaves, tiles, memo) for a in e.args]
         out = keys[0]
         for k in keys[1:]:
             out = table.take(out * N_KEYS + k)
         return out
     if isinstance(e, sympy.Not):
-        return host_table(combine_not).take(_key(e.args[0], leaves, tiles))
+        return host_table(combine_not).take(_key(e.args[0], leaves, tiles, memo))
     leaf = leaves[e]
     if isinstance(leaf, Cuts):
         return leaf.key_at(tiles)

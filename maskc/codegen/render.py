@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jinja2
 import sympy
+from sympy.functions.elementary.piecewise import ExprCondPair
 
 from maskc._version import __version__
 from maskc.codegen.printer import TritonPrinter, describe, tensor_args
@@ -146,7 +147,7 @@ class _Derivative:
         if isinstance(e, sympy.Pow):
             return self._pow(e)
         if isinstance(e, sympy.Piecewise):
-            return sympy.Piecewise(*[(self(branch.expr), branch.cond) for branch in e.args])
+            return _piecewise([(self(branch.expr), branch.cond) for branch in e.args])
         if isinstance(e, (sympy.Min, sympy.Max)):
             return self._extreme(e)
         if isinstance(e, sympy.Abs):
@@ -179,7 +180,17 @@ class _Derivative:
         args = sorted(e.args, key=lambda a: self(a) == 0)
         better = sympy.GreaterThan if isinstance(e, sympy.Max) else sympy.LessThan
         branches = [(self(a), sympy.And(*[better(a, b) for b in args if b is not a])) for a in args[:-1]]
-        return sympy.Piecewise(*branches, (self(args[-1]), True))
+        return _piecewise([*branches, (self(args[-1]), sympy.true)])
+
+
+def _piecewise(branches):
+    """Piecewise of (value, condition) pairs as given, unevaluated: sympy's constructor folds
+    the conditions, and a score mod's conditions may hold Piecewise themselves (a where-nest
+    on the score), which its folding refuses."""
+    if all(value == branches[0][0] for value, _ in branches):
+        return branches[0][0]  # the same slope on every branch (0 where none reads the score)
+    pairs = [sympy.Basic.__new__(ExprCondPair, value, cond) for value, cond in branches]
+    return sympy.Basic.__new__(sympy.Piecewise, *pairs)
 
 
 __all__ = ["codegen_hash", "render", "score_derivative"]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
+from maskc.trace import dag
 from maskc.trace.symbols import is_load, param_symbol
 from maskc.trace.tracer import Traced
 
@@ -59,8 +60,8 @@ def merge(mask: Traced | None, score: Traced | None):
     if score is not None:
         offset, n = len(tensors), len(params)
         renumber = {p.symbol: param_symbol(n + i, isinstance(p.value, int)) for i, p in enumerate(score.params)}
-        score_expr = score.expr.xreplace(renumber).replace(
-            is_load, lambda e: type(e)(e.args[0] + offset, *e.args[1:]))
+        score_expr = dag.transform(score.expr, lambda e: type(e)(e.args[0] + offset, *e.args[1:]) if is_load(e)
+                                   else renumber.get(e, e))
         tensors += list(score.tensors)
         params += [type(p)(renumber[p.symbol], p.value, p.origin) for p in score.params]
     return mask_expr, score_expr, tuple(tensors), tuple(params)

@@ -17,6 +17,9 @@ from sympy.core.relational import Relational
 from sympy.functions.elementary.piecewise import ExprCondPair
 from sympy.logic.boolalg import And, Not, Or, Xor
 
+from maskc.trace import dag
+from maskc.trace.symbols import SCORE
+
 _BOOLEAN_OPS = (And, Or, Xor, Not)
 
 
@@ -106,6 +109,14 @@ def parity(*args, order=None):
     return negation(out) if negate else out
 
 
+def _difference_form(rel_type, lhs, rhs):
+    """`rel_type(lhs, rhs)` as `d >= 0`, `d > 0`, `Eq(d, 0)` or `Ne(d, 0)` without expanding d."""
+    if rel_type in (sympy.LessThan, sympy.StrictLessThan):
+        lhs, rhs = rhs, lhs
+        rel_type = sympy.GreaterThan if rel_type is sympy.LessThan else sympy.StrictGreaterThan
+    return rel_type(lhs - rhs, 0, evaluate=False)
+
+
 # -- canonical form ---------------------------------------------------------------------------
 def canonicalize(expr):
     """The canonical form of `expr`; idempotent."""
@@ -179,7 +190,12 @@ class _Canonicalizer:
     def _relation(self, rel):
         lhs, rhs = self.run(rel.lhs), self.run(rel.rhs)
         if self._has_piecewise(lhs) or self._has_piecewise(rhs):
-            return self._split(type(rel), lhs, rhs)
+            if SCORE not in dag.free_symbols(lhs) | dag.free_symbols(rhs):
+                return self._split(type(rel), lhs, rhs)
+            # A condition on the score is printed, never analysed (block maps read masks only),
+            # so it stays as written: split over the branches of a where-nest on the score, it
+            # would be 2**depth relations, one per distinct affine function of the score.
+            return _difference_form(type(rel), lhs, rhs)
         if isinstance(rel, (sympy.GreaterThan, sympy.StrictGreaterThan)):
             diff = sympy.expand(lhs - rhs)
         elif isinstance(rel, (sympy.LessThan, sympy.StrictLessThan)):

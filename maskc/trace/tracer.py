@@ -23,7 +23,7 @@ import sympy
 import torch
 
 from maskc.errors import MaskTraceError
-from maskc.trace import _context
+from maskc.trace import _context, dag
 from maskc.trace.canonical import canonicalize
 from maskc.trace.proxy import Proxy, wrap
 from maskc.trace.symbols import INDEX_SYMBOLS, LOADS, SCORE, is_load, param_symbol
@@ -417,7 +417,7 @@ def _renumber(kind, name, expr, raw_params, tensors, guards) -> Traced:
     """Keep the parameters and tensors the expression uses, numbered by first discovery, so
     that the signature alone decides the kernel (two spellings with different variable
     names, or a capture that simplified away, change nothing)."""
-    used = expr.free_symbols
+    used = dag.free_symbols(expr)
     params = []
     mapping = {}
     for symbol, value, origin in raw_params:
@@ -426,8 +426,8 @@ def _renumber(kind, name, expr, raw_params, tensors, guards) -> Traced:
             mapping[symbol] = new
             params.append(Param(new, value, origin))
     # simultaneous substitution: p3 -> p0 must not capture an existing p0
-    expr = expr.xreplace(mapping)
-    slots = sorted({int(load.args[0]) for load in expr.atoms(*LOADS)})
+    expr = dag.transform(expr, lambda e: mapping.get(e, e))
+    slots = sorted({int(load.args[0]) for load in dag.atoms(expr, *LOADS)})
     new_slot = {old: i for i, old in enumerate(slots)}
-    expr = expr.replace(is_load, lambda e: type(e)(new_slot[int(e.args[0])], *e.args[1:]))
+    expr = dag.transform(expr, lambda e: type(e)(new_slot[int(e.args[0])], *e.args[1:]) if is_load(e) else e)
     return Traced(kind, name, expr, tuple(params), tuple(tensors[i] for i in slots), guards)
