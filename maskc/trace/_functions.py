@@ -79,8 +79,11 @@ class TensorView:
 
     def refuse(self, *args, **kwargs):
         n, dims = len(self.index), self.tensor.dim()
-        _context.fail(f"indexes a captured tensor of {dims} dimensions with {n} indices ({dims - n} missing)",
-                      "give one index per dimension, like bias[b][h][q_idx] or bias[b, h, q_idx]")
+        _context.fail(f"indexes a captured tensor of {dims} dimensions with {n} indices ({dims - n} missing), "
+                      f"which leaves a vector: maskc traces mods that compute one value per (b, h, q_idx, "
+                      f"kv_idx)", "give one index per dimension, like bias[b][h][q_idx] or bias[b, h, q_idx]; "
+                      "for a reduction, dot product or top-k over a row, compute it outside the mod and "
+                      "capture the result")
 
     def __getattr__(self, name):
         if name.startswith("_"):
