@@ -86,23 +86,18 @@ class Traced:
 def dag_text(expr) -> str:
     """Canonical text of `expr` with each distinct subexpression written once, as numbered
     nodes in post-order. sympy.srepr writes the tree, which doubles with every level of a
-    torch.where nest that reads its own result (a DAG of 60 nodes is 2^20 leaves as a tree)."""
+    torch.where nest that reads its own result (a DAG of 60 nodes is 2^20 leaves as a tree).
+    Numbered by equality, so that equal expressions give one text however they share nodes."""
     ids: dict = {}
     lines: list[str] = []
-    stack = [(expr, False)]
-    while stack:
-        node, expanded = stack.pop()
+    for node in dag.postorder(expr):
         if node in ids:
             continue
-        if not node.args:
-            ids[node] = len(lines)
-            lines.append(sympy.srepr(node))
-        elif expanded:
-            ids[node] = len(lines)
+        ids[node] = len(lines)
+        if node.args:
             lines.append(f"{type(node).__name__}(" + ",".join(f"%{ids[a]}" for a in node.args) + ")")
         else:
-            stack.append((node, True))
-            stack.extend((a, False) for a in reversed(node.args) if a not in ids)
+            lines.append(sympy.srepr(node))
     return ";".join(lines)
 
 
@@ -344,13 +339,12 @@ def trace(fn, kind: str) -> Traced:
     structural: frozenset = frozenset()
     while True:
         try:
-            return _trace_once(fn, kind, name, filename, lineno, structural)
+            return _trace_once(target, kind, name, filename, lineno, structural)
         except _Structural as reached:
             structural |= {reached.origin}
 
 
-def _trace_once(fn, kind, name, filename, lineno, structural) -> Traced:
-    target = fn.fn if getattr(fn, "_maskc_mod", False) else fn
+def _trace_once(target, kind, name, filename, lineno, structural) -> Traced:
     with _LOCK:
         rebinder = _Rebinder(kind, structural)
         state = _context.TraceState(kind, name, filename, lineno, rebinder.codes)
