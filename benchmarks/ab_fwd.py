@@ -16,7 +16,6 @@ and writes its PTX under --asm when given. Levers measured with it: benchmarks/N
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import tempfile
 from pathlib import Path
@@ -29,8 +28,10 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 sys.path.insert(0, str(Path(__file__).parent))
 from maskc import masks  # noqa: E402
 from maskc.codegen.render import render  # noqa: E402
-from maskc.runtime import attention, loader  # noqa: E402
-from maskc.runtime.configs import TileConfig, use_config  # noqa: E402
+from maskc.codegen.render import parameters  # noqa: E402
+from maskc.runtime import launch, loader, plan  # noqa: E402
+from maskc.runtime.kernel import CompiledKernel  # noqa: E402
+from maskc.runtime.tiles import TileConfig, use_config  # noqa: E402
 from maskc.testing import attention_reference, dense_mask  # noqa: E402
 from maskc.trace.mods import as_mask_mod, as_score_mod  # noqa: E402
 from workloads import workloads  # noqa: E402
@@ -77,14 +78,20 @@ def parse_variant(text: str):
 def variant_run(q, k, v, mask, score, folder, tiles, workdir: Path):
     """A callable running maskc's forward with the kernel rendered from `folder`."""
     with use_config(forward=tiles) if tiles else use_config():
-        problem = attention._problem(q, k, v, as_mask_mod(mask), as_score_mod(score), None, None)
-        spec = problem.kernel.spec
-        path = workdir / f"{spec.file_stem}_{abs(hash((folder, tiles, problem.kernel.signature)))}.py"
-        path.write_text(render(spec, templates=folder))
-        recorder = Recorder(loader.load(path, interpret=False).attention_fwd)
-        launch = attention._forward_launch(q, k, v, problem)
-        problem.launch = dataclasses.replace(launch, fn=recorder)
-    return (lambda: attention.forward(q, k, v, problem)[0]), recorder
+        mm, sm = as_mask_mod(mask), as_score_mod(score)
+        traces = (mm.traced if mm else None, sm.traced if sm else None)
+        problem = plan.problem_of(q, k, v, mm, sm, None, traces)
+        source = problem.forward_kernel.kernel_source
+        text = render(source, templates=folder).text
+        path = workdir / f"fwd_{abs(hash((folder, tiles, problem.forward_kernel.signature)))}.py"
+        path.write_text(text)
+        module = loader.load(path, interpret=False)
+        recorder = Recorder(module.attention_fwd)
+        module.attention_fwd = recorder  # the launch plan takes the function from the module
+        kernel = CompiledKernel(source, problem.forward_kernel.signature, text, path, parameters(text))
+        kernel._functions[False] = module
+        problem.forward_kernel = kernel
+    return (lambda: launch.forward(q, k, v, problem)[0]), recorder
 
 
 def main():

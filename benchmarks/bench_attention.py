@@ -26,7 +26,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).parent))
 import maskc  # noqa: E402
-from maskc.runtime import attention  # noqa: E402
+from maskc.runtime import launch, plan  # noqa: E402
 from maskc.testing import attention_reference, dense_mask  # noqa: E402
 from maskc.trace.mods import as_mask_mod, as_score_mod  # noqa: E402
 from workloads import workloads  # noqa: E402
@@ -134,8 +134,9 @@ def run(args, L):
         run_maskc = lambda: maskc.compiled_attention(q, k, v, mask_mod=mask, score_mod=score)  # noqa: E731
         with torch.no_grad():
             run_maskc()  # plans the call (and autotunes it when MASKC_AUTOTUNE=1): its tiles are known after
-        spec = attention._planned(q, k, v, as_mask_mod(mask), as_score_mod(score), None).kernel.spec
-        t_map = time_block_map(mask, L, (spec.block_m, spec.block_n), dev) if mask is not None else 0.0
+        problem = plan.planned(q, k, v, as_mask_mod(mask), as_score_mod(score), None, launch.seconds)
+        spec = problem.tiles.forward
+        t_map = time_block_map(mask, L, problem.tiles.sparse, dev) if mask is not None else 0.0
         flex_bm = create_block_mask(mask.fn, None, None, L, L, device=dev) if mask is not None else None
         run_flex = lambda: flex(q, k, v, score_mod=score.fn if score else None, block_mask=flex_bm)  # noqa: E731
         timed_maskc, timed_flex = run_maskc, run_flex

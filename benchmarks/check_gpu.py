@@ -19,9 +19,9 @@ import sys
 import torch
 
 import maskc
-import maskc.runtime.attention as attention
+import maskc.runtime.launch as launch
 from maskc import masks, scores
-from maskc.runtime.configs import forward_candidates, use_config
+from maskc.runtime.tiles import forward_candidates, use_config
 from maskc.testing import assert_close_to_reference, attention_reference
 
 SHAPES = [  # B, Hq, Hkv, Lq, Lkv, D, Dv
@@ -52,7 +52,7 @@ def late_keys(score, b, h, q_idx, kv_idx):
 
 def main():
     failures = 0
-    attention.DESCRIPTOR_MIN_PAIRS = 0  # descriptors wherever the layout allows, tiny or not
+    launch.DESCRIPTOR_MIN_PAIRS = 0  # descriptors wherever the layout allows, tiny or not
     for (B, Hq, Hkv, Lq, Lkv, D, Dv), dtype in itertools.product(SHAPES, (torch.bfloat16, torch.float16)):
         q = torch.randn(B, Hq, Lq, D, device="cuda", dtype=dtype)
         k = torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=dtype)

@@ -59,7 +59,7 @@ if which == "flex":
     sys.exit()
 
 import maskc, triton, triton.compiler, triton.runtime.build, triton.runtime.cache, triton.runtime.jit
-import maskc.runtime.attention, maskc.runtime.loader, maskc.trace.mods
+import maskc.runtime.loader, maskc.runtime.plan, maskc.trace.mods
 
 SPENT, WARM_UP, GC = {}, {}, {"s": 0.0, "full": 0}
 PHASES = ("trace", "kernel_for", "block map", "load kernel file", "triton launch")
@@ -90,8 +90,8 @@ def on_gc(phase, info):
 
 def instrument():
     timed("trace", maskc.trace.mods, "trace")
-    timed("kernel_for", maskc.runtime.attention, "kernel_for")
-    timed("block map", maskc.runtime.attention, "cached_block_map")
+    timed("kernel_for", maskc.runtime.plan, "kernel_for")
+    timed("block map", maskc.runtime.plan, "cached_block_map")
     timed("load kernel file", maskc.runtime.loader, "load")
     if device == "cuda":
         timed("triton launch", triton.runtime.jit.JITFunction, "run")

@@ -7,7 +7,7 @@
 Prints TFLOP/s (by kept pairs; 3.5x for forward + backward) of each config on a few
 workloads, after FlexAttention's figure in the same run; a config whose output differs
 from FlexAttention's by more than 2e-2 (relative) is reported as wrong. The winners become
-the defaults in maskc/runtime/configs.py (see benchmarks/NOTES.md).
+the defaults in maskc/runtime/tiles.py (see benchmarks/NOTES.md).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).parent))
 import maskc  # noqa: E402
-from maskc.runtime.configs import BackwardConfig, TileConfig, use_config  # noqa: E402
+from maskc.runtime.tiles import BackwardConfig, TileConfig, use_config  # noqa: E402
 from maskc.testing import dense_mask  # noqa: E402
 from workloads import workloads  # noqa: E402
 

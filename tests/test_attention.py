@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import maskc
 from maskc import masks, scores
 from maskc.analysis.dense import evaluate, symbols_env
-from maskc.runtime.configs import bh_group, use_config
+from maskc.runtime.tiles import bh_group, use_config
 from maskc.runtime.descriptors import descriptors
 from maskc.testing import assert_close_to_reference, attention_reference
 from maskc.testing.strategies import AttentionInputs, doc_ids
@@ -229,7 +229,7 @@ def test_head_dims_and_value_dim(D, Dv):
 
 def test_launch_order_groups_cover_every_tile():
     # head dims above 64 interleave (b, h) pairs two at a time in the launch order
-    # (configs.bh_group); five pairs leave a last group of one, and each pair has three q tiles
+    # (tiles.bh_group); five pairs leave a last group of one, and each pair has three q tiles
     assert bh_group(80) == 2
     q, k, v = _qkv(1, 5, 5, 70, 70, 80)
     check(q, k, v, mask_mod=masks.causal)

@@ -1,7 +1,7 @@
 """Autotuning (MASKC_AUTOTUNE=1): the fastest candidate is chosen, stored, and read back.
 
 On CPU the candidates run through the interpreter, so the end-to-end test swaps in two small
-CPU configs; on CUDA the same code times maskc/runtime/configs.forward_candidates.
+CPU configs; on CUDA the same code times maskc/runtime/tiles.forward_candidates.
 """
 import json
 
@@ -11,8 +11,8 @@ from triton.runtime.errors import OutOfResources
 
 import maskc
 from maskc import masks
-from maskc.runtime import attention, autotune
-from maskc.runtime.configs import TileConfig
+from maskc.runtime import autotune, launch, plan, tiles
+from maskc.runtime.tiles import TileConfig
 from maskc.testing import attention_reference
 
 FAST, SLOW = TileConfig(16, 32, 4, 1), TileConfig(32, 32, 4, 1)
@@ -68,17 +68,17 @@ def test_lengths_share_a_choice_within_a_power_of_two():
 
 def test_compiled_attention_tunes_once_and_uses_the_choice(_cache, monkeypatch):
     monkeypatch.setenv("MASKC_AUTOTUNE", "1")
-    monkeypatch.setattr(attention, "forward_candidates", lambda head_dim, device_type: [SLOW, FAST])
+    monkeypatch.setattr(tiles, "forward_candidates", lambda head_dim, device_type: [SLOW, FAST])
     timed = []
-    seconds = attention._seconds
-    monkeypatch.setattr(attention, "_seconds", lambda q, k, v, p: timed.append(p.kernel.spec.block_m) or seconds(q, k, v, p))
+    seconds = launch.seconds
+    monkeypatch.setattr(launch, "seconds", lambda q, k, v, p: timed.append(p.tiles.forward.block_m) or seconds(q, k, v, p))
     mask = maskc.mask_mod(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)  # a new object: no plan cached for it
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 50, 32, generator=gen) for _ in range(3))
     out = maskc.compiled_attention(q, k, v, mask_mod=mask)
     assert sorted(set(timed)) == [16, 32] and len(timed) == 6  # three rounds of two candidates
     chosen = TileConfig(*next(iter(json.loads((_cache / "autotune.json").read_text()).values())))
-    problem = next(p for p in attention._PLANS.values() if p.mask_mod is mask)
+    problem = next(p for p in plan.PLANS.values() if p.mask_mod is mask)
     assert problem.block_map.block_size == (chosen.block_m, chosen.block_n)
     ref, _ = attention_reference(q.double(), k.double(), v.double(), mask)
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
@@ -86,7 +86,7 @@ def test_compiled_attention_tunes_once_and_uses_the_choice(_cache, monkeypatch):
 
 def test_off_by_default(_cache, monkeypatch):
     monkeypatch.delenv("MASKC_AUTOTUNE", raising=False)
-    monkeypatch.setattr(attention, "forward_candidates", lambda head_dim, device_type: [SLOW, FAST])
+    monkeypatch.setattr(tiles, "forward_candidates", lambda head_dim, device_type: [SLOW, FAST])
     q = torch.randn(1, 1, 40, 32)
     maskc.compiled_attention(q, q, q, mask_mod=masks.sliding_window(7))
     assert not (_cache / "autotune.json").exists()

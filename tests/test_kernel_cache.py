@@ -12,10 +12,10 @@ import torch
 import triton.runtime.cache
 
 import maskc
-import maskc.runtime.attention as attention
 from maskc import masks, scores
 from maskc.codegen.printer import TritonPrinter
-from maskc.runtime import KERNELS, loader
+from maskc.runtime import KERNELS, loader, plan
+from maskc.runtime.tiles import BackwardConfig, TileConfig, use_config
 from maskc.testing import assert_close_to_reference, attention_reference
 
 
@@ -25,7 +25,7 @@ def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("MASKC_CACHE_DIR", str(path))
     monkeypatch.delenv("MASKC_DEBUG", raising=False)
     KERNELS.clear()
-    attention._BLOCK_MAPS.clear()
+    plan.BLOCK_MAPS.clear()
     yield path
     KERNELS.clear()
 
@@ -58,13 +58,26 @@ def test_source_is_the_file_that_runs(cache_dir):
     compile(kernel.source, str(kernel.path), "exec")  # valid Python as written
 
 
-def test_file_names_are_readable(cache_dir):
+def test_one_file_per_distinct_text(cache_dir):
     kernel = _compile(masks.causal)
-    assert re.fullmatch(r"fwd_fp32_d32_bm32_bn32_[0-9a-f]{16}\.py", kernel.path.name), kernel.path.name
+    assert re.fullmatch(r"fwd_[0-9a-f]{16}\.py", kernel.path.name), kernel.path.name
     assert kernel.path.stem.endswith(kernel.signature)
-    half = _compile(masks.causal, dtype=torch.float16, head_dim=64)
-    assert re.fullmatch(r"fwd_fp16_d64_bm32_bn32_[0-9a-f]{16}\.py", half.path.name), half.path.name
-    assert sorted(p.name for p in cache_dir.iterdir()) == sorted([kernel.path.name, half.path.name])
+    # dtype, head dim and tiles are launch values (constexprs, pointer types): the same text
+    other = _compile(masks.causal, dtype=torch.float16, head_dim=64, block_size=(16, 128))
+    assert (other.path, other.source) == (kernel.path, kernel.source)
+    # and running it at other tiles and dtypes writes no other file
+    q, k, v = _qkv(L=40, D=32)
+    with use_config(forward=TileConfig(16, 64, 4, 1), backward=BackwardConfig(TileConfig(16, 32, 4, 1),
+                                                                                  TileConfig(64, 16, 4, 1))):
+        for dtype in (torch.float32, torch.float16):
+            x, y, z = (t.to(dtype).requires_grad_() for t in (q, k, v))
+            out = _run_and_check(x, y, z, mask_mod=masks.causal)
+            out.sum().backward()
+    names = sorted(p.name for p in cache_dir.iterdir() if p.suffix == ".py")
+    assert len(names) == 2 and kernel.path.name in names and names[0][:4] != names[1][:4]  # fwd_ and bwd_
+    # float64 inputs run a separable score as written: that text differs, so does the file
+    alibi = scores.alibi(scores.alibi_slopes(2))
+    assert _compile(masks.causal, alibi).path != _compile(masks.causal, alibi, dtype=torch.float64).path
 
 
 @pytest.mark.parametrize("mask", [masks.sliding_window(8), masks.chunked_causal(24),
@@ -126,15 +139,16 @@ def test_captured_tensor_values_do_not_compile():
     assert maskc.cache_info().misses == misses
 
 
-def test_new_dtype_head_dim_or_expression_compiles():
+def test_a_new_expression_renders_and_a_new_dtype_or_head_dim_does_not():
     _compile(masks.causal)
     _compile(masks.causal, dtype=torch.float16)
     _compile(masks.causal, head_dim=64)
     _compile(masks.causal, head_dim_v=16)
     _compile(masks.prefix_lm(4))
     _compile(masks.causal, scores.softcap(3.0))
-    assert maskc.cache_info().misses == 6
-    assert len(os.listdir(os.environ["MASKC_CACHE_DIR"])) == 6
+    info = maskc.cache_info()
+    assert (info.misses, info.hits) == (3, 3)
+    assert len(os.listdir(os.environ["MASKC_CACHE_DIR"])) == 3
 
 
 def test_signature_equal_masks_with_different_captures():
@@ -277,13 +291,13 @@ def test_interpreted_runs_leave_tritons_key_alone(cache_dir, triton_key):
 @pytest.fixture
 def builds(monkeypatch):
     calls = []
-    real = attention.build_block_map
+    real = plan.build_block_map
 
     def counting(mask, *args, **kwargs):
         calls.append(mask.__name__)
         return real(mask, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "build_block_map", counting)
+    monkeypatch.setattr(plan, "build_block_map", counting)
     return calls
 
 
@@ -297,7 +311,7 @@ def test_block_maps_are_reused(builds):
     _run_and_check(q, k, v, mask_mod=masks.sliding_window(16))  # other parameter values: another map
     _run_and_check(q[:, :, :33], k, v, mask_mod=masks.sliding_window(16))  # other lengths: another map
     assert len(builds) == 3
-    assert len(attention._BLOCK_MAPS) == 3
+    assert len(plan.BLOCK_MAPS) == 3
 
 
 def test_block_map_follows_in_place_changes(builds):
@@ -317,3 +331,25 @@ def test_given_block_map_builds_nothing(builds):
     bm = maskc.block_map(masks.causal, 40, 40, block_size=(32, 32))
     _run_and_check(q, k, v, mask_mod=masks.causal, block_map=bm)
     assert builds == []
+
+
+def test_a_training_step_analyses_its_mask_once(builds):
+    # backward tiles unlike the forward's (on CUDA: 64×64 forward, 128×64 dQ, 64×128 dK/dV):
+    # they read the forward's map coarsened, not a map analysed again
+    q, k, v = (t.requires_grad_() for t in _qkv(L=70))
+    with use_config(backward=BackwardConfig(TileConfig(64, 32, 4, 1), TileConfig(32, 64, 4, 1))):
+        out = _run_and_check(q, k, v, mask_mod=masks.sliding_window(9))
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert len(builds) == 1
+    ref, _ = attention_reference(q.double(), k.double(), v.double(), mask_mod=masks.sliding_window(9))
+    for got, want in zip(grads, torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))):
+        assert_close_to_reference(got, want)
+
+
+# -- Triton-key shortcut off ------------------------------------------------------------------
+def test_triton_key_shortcut_can_be_turned_off(cache_dir, triton_key, monkeypatch):
+    monkeypatch.setenv("MASKC_TRITON_KEY", "0")
+    kernel = _compile(masks.causal)
+    loader.load(kernel.path, interpret=False)
+    assert triton.runtime.cache.triton_key is triton_key
+    assert not (cache_dir / "triton_key.json").exists()

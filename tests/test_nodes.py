@@ -21,7 +21,7 @@ from maskc.analysis.dense import evaluate, symbols_env
 from maskc.analysis.intervals import Interval, IntervalEvaluator, TensorSummaries
 from maskc.codegen.render import render, score_derivative
 from maskc.codegen.separable import separate
-from maskc.codegen.spec import KernelSpec
+from maskc.codegen.source import KernelSource
 from maskc.errors import MaskcError
 from maskc.testing import assert_block_map_sound, assert_close_to_reference, attention_reference
 from maskc.trace.mods import MaskMod, ScoreMod
@@ -299,8 +299,7 @@ def mask_nest(depth):
 
 
 def _spec(kind, mask_expr, score_expr):
-    return KernelSpec(kind, "m", "s", (), (), "fp32", 16, 16, False, 32, 32, 4, 1, 1, mask_expr=mask_expr,
-                      score_expr=score_expr)
+    return KernelSource(kind, "m", "s", (), (), split_score=False, mask_expr=mask_expr, score_expr=score_expr)
 
 
 def test_depth_20_where_nest_is_printed_evaluated_and_analysed_in_polynomial_time():
@@ -309,7 +308,7 @@ def test_depth_20_where_nest_is_printed_evaluated_and_analysed_in_polynomial_tim
     sizes = {}
     for depth in (10, 20):
         score, mask = score_nest(depth), mask_nest(depth)
-        sources = [render(_spec(kind, mask, score)) for kind in ("fwd", "bwd")]
+        sources = [render(_spec(kind, mask, score)).text for kind in ("fwd", "bwd")]
         for source in sources:
             compile(source, "nest", "exec")
         sizes[depth] = sum(len(source) for source in sources)

@@ -14,7 +14,7 @@ import torch
 import maskc
 from maskc import masks, scores
 from maskc.runtime import KERNELS
-from maskc.runtime.configs import BackwardConfig, TileConfig, use_config
+from maskc.runtime.tiles import BackwardConfig, TileConfig, use_config
 from maskc.testing import assert_close_to_reference, attention_reference
 
 

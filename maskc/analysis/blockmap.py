@@ -47,6 +47,7 @@ class BlockMap:
         buffer, self._n_full = pieces.run_tables(self.B * self.H * self.n_q)
         self._buffer = buffer if device is None else buffer.to(device)
         self._set_views()
+        self._coarse: dict = {}  # coarsened(q_factor, kv_factor) of this map, built once
 
     def _set_views(self):
         """The four run tables as views of the one buffer: [full offsets | partial offsets |
@@ -117,6 +118,44 @@ class BlockMap:
         return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=self.block_size,
                                         mask_mod=mask_mod, seq_lengths=(self.q_len, self.kv_len))
 
+    def for_tiles(self, block_m: int, block_n: int) -> tuple["BlockMap", int, int]:
+        """This map as a kernel with block_m × block_n tiles reads it: (map, q multiple, kv
+        multiple). A map tile spanning several kernel tiles is read as it is, the kernel scaling
+        its runs by the multiples (Inductor's SPARSE_Q/KV_BLOCK_SIZE); where a kernel tile spans
+        several map tiles, the map is coarsened (no analysis of the mask again). Tile sizes are
+        powers of two, so one always divides the other."""
+        m, n = self.block_size
+        for mine, theirs in ((m, block_m), (n, block_n)):
+            if mine % theirs and theirs % mine:
+                raise ValueError(f"block_map tiles {self.block_size} cannot drive {block_m}×{block_n} kernel tiles: "
+                                 f"one must be a multiple of the other; build the map with block_size=(64, 64)")
+        coarse = self.coarsened(max(1, block_m // m), max(1, block_n // n))
+        return coarse, max(1, m // block_m), max(1, n // block_n)
+
+    def coarsened(self, q_factor: int, kv_factor: int) -> "BlockMap":
+        """The map of tiles q_factor × kv_factor times larger: FULL where every tile it covers is,
+        EMPTY where every one is, else PARTIAL (exactly what an analysis at that size finds
+        when this map is exact)."""
+        if (q_factor, kv_factor) == (1, 1):
+            return self
+        found = self._coarse.get((q_factor, kv_factor))
+        if found is not None:
+            return found
+        dense = self.to_dense()
+        pad = (0, -self.n_kv % kv_factor, 0, -self.n_q % q_factor)
+        shape = (self.B, self.H, -(-self.n_q // q_factor), q_factor, -(-self.n_kv // kv_factor), kv_factor)
+        # tiles past the matrix's end count as FULL for "all FULL" and EMPTY for "any kept"
+        lo = torch.nn.functional.pad(dense, pad, value=FULL).view(shape).amin(dim=(3, 5))
+        hi = torch.nn.functional.pad(dense, pad, value=EMPTY).view(shape).amax(dim=(3, 5))
+        grid = torch.where(hi == EMPTY, EMPTY, torch.where(lo == FULL, FULL, PARTIAL)).to(torch.int8)
+        pieces = Pieces.from_grid(grid, torch.ones_like(grid, dtype=torch.bool), grid.shape[:3])
+        coarse = BlockMap(pieces, q_len=self.q_len, kv_len=self.kv_len,
+                          block_size=(self.block_size[0] * q_factor, self.block_size[1] * kv_factor),
+                          mask_name=self.mask_name, mask_mod=self.mask_mod, traced=self.traced)
+        coarse.tensor_versions = self.tensor_versions  # built from this map, so from these versions
+        self._coarse[(q_factor, kv_factor)] = coarse
+        return coarse
+
     def kernel_rows(self, batch: int, heads: int) -> tuple[int, int]:
         """Row strides of b and h into the run tables for a launch of batch × heads programs."""
         for name, stored, given in (("B", self.B, batch), ("H", self.H, heads)):
@@ -131,8 +170,9 @@ class BlockMap:
         if device == self.device:
             return self
         new = object.__new__(BlockMap)
-        # the transposed map, if cached, lives on the old device: the new one builds its own
+        # derived maps, if cached, live on the old device: the new one builds its own
         new.__dict__.update({k: v for k, v in self.__dict__.items() if k not in _TABLES and k != "transposed"})
+        new._coarse = {}
         new._buffer = self._buffer.to(device)
         new._set_views()
         return new

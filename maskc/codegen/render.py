@@ -1,10 +1,12 @@
 """Render kernel source from the Jinja templates: Python decides, the template prints."""
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 from importlib import resources
 from pathlib import Path
+from typing import NamedTuple
 
 import jinja2
 import sympy
@@ -13,7 +15,7 @@ from sympy.functions.elementary.piecewise import ExprCondPair
 from maskc._version import __version__
 from maskc.codegen.printer import TritonPrinter, describe, tensor_args
 from maskc.codegen.separable import separate
-from maskc.codegen.spec import KernelSpec
+from maskc.codegen.source import KernelSource
 from maskc.errors import MaskcError
 from maskc.trace.symbols import INTEGER_OPS, SCORE
 
@@ -48,14 +50,22 @@ def codegen_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def render(spec: KernelSpec, templates: str | None = None) -> str:
+class Rendered(NamedTuple):
+    """A kernel file's text and, per @triton.jit function in it, its parameter names in order:
+    the one statement of each kernel's argument list, which launches bind by name."""
+
+    text: str
+    parameters: dict[str, tuple[str, ...]]
+
+
+def render(spec: KernelSource, templates: str | None = None) -> Rendered:
     """The Triton source of the kernel file described by `spec` (from the templates in the
     folder `templates`, else maskc's own)."""
     extra = []
     for slot, rank in enumerate(spec.tensor_ranks):
         extra += tensor_args(slot, rank)
     extra += [f"p{i}" for i in range(len(spec.param_kinds))]
-    return _environment(templates).get_template(TEMPLATES[spec.kind]).render(
+    text = _environment(templates).get_template(TEMPLATES[spec.kind]).render(
         kernel_name=KERNEL_NAMES[spec.kind][0],
         template_name=TEMPLATES[spec.kind],
         maskc_version=__version__,
@@ -64,9 +74,17 @@ def render(spec: KernelSpec, templates: str | None = None) -> str:
         extra_args=extra,
         **_hooks(spec),
     )
+    return Rendered(text, parameters(text))
 
 
-def _hooks(spec: KernelSpec) -> dict:
+def parameters(text: str) -> dict[str, tuple[str, ...]]:
+    """The parameter names of each top-level function in a kernel file's text, in order (a
+    cached file read from disk gives them as a fresh rendering would)."""
+    tree = ast.parse(text)
+    return {f.name: tuple(a.arg for a in f.args.args) for f in tree.body if isinstance(f, ast.FunctionDef)}
+
+
+def _hooks(spec: KernelSource) -> dict:
     """The Triton text the template prints at its named hooks: each `*_expr` with the
     `*_statements` that run before it."""
     hooks = {}
@@ -84,7 +102,7 @@ def _hooks(spec: KernelSpec) -> dict:
     # Only the forward uses the split. float64 runs exist for exact checks (gradcheck): there
     # the score mod runs as written, since the split form measured 2e-7 relative error in
     # float64 against 6e-16 (some term of it is computed in float32; not pinned down).
-    separable = separate(spec.score_expr) if spec.kind == "fwd" and spec.dtype != "fp64" else None
+    separable = separate(spec.score_expr) if spec.split_score else None
     hooks["separable"] = separable is not None
     # the row's and coefficient's statements run once per program, before the column's loop
     terms = (separable.coefficient, separable.row, separable.column) if separable else ()
@@ -193,4 +211,4 @@ def _piecewise(branches):
     return sympy.Basic.__new__(sympy.Piecewise, *pairs)
 
 
-__all__ = ["codegen_hash", "render", "score_derivative"]
+__all__ = ["Rendered", "codegen_hash", "parameters", "render", "score_derivative"]

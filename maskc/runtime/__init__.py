@@ -1,7 +1,13 @@
-"""Stage 4 of the pipeline: cache, load and launch generated kernels."""
-from maskc.runtime.attention import compiled_attention
-from maskc.runtime.cache import KERNELS, CacheInfo, cache_dir
-from maskc.runtime.kernel import CompiledKernel, compile
+"""Stage 4 of the pipeline: plan, cache, load and launch generated kernels.
+
+api (public functions) → autograd → launch (LaunchPlans) → plan (validation, tiles, the call's
+block map) → kernel (CompiledKernel) → cache/loader; tiles owns tile sizes, settings
+(maskc/settings.py) every environment knob.
+"""
+from maskc.runtime.api import compile, compiled_attention
+from maskc.runtime.cache import KERNELS, CacheInfo
+from maskc.runtime.kernel import CompiledKernel
+from maskc.settings import cache_dir
 
 
 def cache_info() -> CacheInfo:

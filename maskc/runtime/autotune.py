@@ -3,7 +3,7 @@
 The best tiles depend on the mask and score mod, not only the head dim: on an H100 at D=64,
 64×128 tiles beat 64×64 by 9% with no mask and lose by 19% with a 1024 sliding window
 (benchmarks/NOTES.md). With autotuning on, the first CUDA call of a kernel signature in a
-length bucket times each candidate of `configs.forward_candidates` on the caller's own
+length bucket times each candidate of `tiles.forward_candidates` on the caller's own
 tensors and keeps the fastest in `autotune.json` beside the cached kernels; later calls and
 later processes read the choice and time nothing. Tuning compiles every candidate, so it
 costs a few seconds once; it is off by default to keep a new mask's first call short.
@@ -17,23 +17,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 
 from triton.runtime.errors import OutOfResources
 
-from maskc.runtime.cache import cache_dir, write_atomic
-from maskc.runtime.configs import TileConfig
+from maskc.runtime.cache import write_atomic
+from maskc.runtime.tiles import TileConfig
+from maskc.settings import cache_dir
 
 _FILE = "autotune.json"
 _LOCK = threading.Lock()
 _choices: dict | None = None  # the file's contents, read once per process
 _log = logging.getLogger("maskc")
-
-
-def enabled() -> bool:
-    """Whether MASKC_AUTOTUNE asks for tuning (read when a problem is first planned)."""
-    return os.environ.get("MASKC_AUTOTUNE", "") not in ("", "0")
 
 
 def bucket(length: int) -> int:

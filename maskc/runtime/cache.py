@@ -6,7 +6,7 @@ is read and again before it is imported: a file that fails it (edited, truncated
 rendered again and replaced, with a warning. A cache directory that cannot be written
 (read-only, or a file) still serves the kernels it holds; new ones go to a private temporary
 directory for the rest of the process, with a warning. `MASKC_CACHE_DIR` overrides the
-location; `MASKC_DEBUG=1` prints each source as it is rendered or read.
+location; `MASKC_DEBUG=1` prints each source as it is rendered or read (maskc/settings.py).
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
+from maskc.settings import cache_dir, debug
+
 
 class CacheInfo(NamedTuple):
     """hits: kernels found in memory; misses: kernels rendered by this process;
@@ -29,19 +31,6 @@ class CacheInfo(NamedTuple):
     misses: int
     disk_hits: int
     currsize: int
-
-
-def cache_dir() -> Path:
-    """Where generated kernels are kept: $MASKC_CACHE_DIR, else the user's cache directory."""
-    env = os.environ.get("MASKC_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "maskc"
-
-
-def debug() -> bool:
-    return os.environ.get("MASKC_DEBUG", "") not in ("", "0")
 
 
 class SourceCache:

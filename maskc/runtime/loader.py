@@ -1,9 +1,13 @@
 """Import a generated source file as a module, compiled for CUDA or interpreted for CPU.
 
 Triton picks the interpreter when `@triton.jit` runs with TRITON_INTERPRET=1, so the
-interpreted copy is imported with that variable set; both copies run the same file. Before
-the first compiled import, Triton is handed its cache key from disk (`triton_key.json` in
-the kernel cache) so that a new process does not hash Triton's install again.
+interpreted copy is imported with that variable set; both copies run the same file.
+
+The Triton-key shortcut: before the first compiled import, Triton is handed its cache key
+from disk (`triton_key.json` in the kernel cache) so that a new process does not hash
+Triton's install again. It replaces `triton.runtime.cache.triton_key`, a private function,
+for the whole process. MASKC_TRITON_KEY=0 turns it off (maskc/settings.py); a Triton without
+that function, or whose install cannot be stamped, is left to compute its key itself.
 
 Triton's other one-off costs before a first compiled kernel, hashing its install when no key
 is stored and building its CUDA driver utilities (a C library, with gcc, once per Triton
@@ -23,7 +27,8 @@ from pathlib import Path
 import triton
 import triton.runtime.cache
 
-from maskc.runtime.cache import cache_dir, write_atomic
+from maskc.runtime.cache import write_atomic
+from maskc.settings import cache_dir, triton_key_shortcut
 
 _LOCK = threading.Lock()
 _TRITON_KEY_FILE = "triton_key.json"
@@ -70,8 +75,8 @@ class _WarmUp:
                 return
             self._started = True
             pool = ThreadPoolExecutor(2, thread_name_prefix="maskc-warm-up")
-            computed = getattr(triton.runtime.cache, "triton_key", None)
-            if computed is not None and not getattr(computed, "maskc_memo", False):
+            computed = _replaceable_triton_key()
+            if computed is not None:
                 self._key = pool.submit(_stored_triton_key, computed)
             self._driver = pool.submit(_driver_utils)
             pool.shutdown(wait=False)  # the threads end with their work; exit waits for a running gcc
@@ -105,10 +110,12 @@ def _remember_triton_key(prefetched: str | None = None) -> None:
     third of a warm start). It changes only when those files do, so maskc keeps it on disk
     next to the kernels and hands Triton the stored value (`prefetched`: already read or
     computed by warm_up())."""
-    computed = getattr(triton.runtime.cache, "triton_key", None)
-    if computed is None or getattr(computed, "maskc_memo", False):
-        return  # a Triton that keys its cache elsewhere, or already handed over
+    computed = _replaceable_triton_key()
+    if computed is None:
+        return
     key = prefetched if prefetched is not None else _stored_triton_key(computed)
+    if key is None:
+        return
 
     def memo() -> str:
         return key
@@ -117,9 +124,23 @@ def _remember_triton_key(prefetched: str | None = None) -> None:
     triton.runtime.cache.triton_key = memo
 
 
-def _stored_triton_key(compute) -> str:
-    """The key stored for this Triton install, else `compute()`, stored for the next process."""
-    stamp, path = _triton_stamp(), cache_dir() / _TRITON_KEY_FILE
+def _replaceable_triton_key():
+    """Triton's own triton_key function where the shortcut may replace it; None where it is
+    turned off, already replaced, or this Triton keys its cache some other way."""
+    computed = getattr(triton.runtime.cache, "triton_key", None)
+    if not triton_key_shortcut() or not callable(computed) or getattr(computed, "maskc_memo", False):
+        return None
+    return computed
+
+
+def _stored_triton_key(compute) -> str | None:
+    """The key stored for this Triton install, else `compute()`, stored for the next process;
+    None where the install cannot be stamped (a layout this code does not know)."""
+    try:
+        stamp = _triton_stamp()
+    except (OSError, AttributeError, TypeError):
+        return None
+    path = cache_dir() / _TRITON_KEY_FILE
     try:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):

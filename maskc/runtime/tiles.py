@@ -1,8 +1,14 @@
-"""Tile shapes and launch options per head dim and device: Python decides them here."""
+"""Tiles: the one owner of tile sizes, warps and stages. `choose` decides them for a problem
+(head dim, device, dtype, an autotuned choice, a caller's block map), validated here under one
+rule, and the runtime passes the frozen result everywhere else.
+"""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import NamedTuple
+
+MIN_TILE, MAX_TILE = 16, 256
 
 
 class TileConfig(NamedTuple):
@@ -94,6 +100,47 @@ def backward_config(head_dim: int, device_type: str, element_size: int = 2) -> B
         # tiles for dK/dV, 8 warps, beat 64×64 with 4 warps by a quarter on no mask and causal.
         return BackwardConfig(TileConfig(128, 64, 8, 3), TileConfig(64, 128, 8, 3))
     return BackwardConfig(TileConfig(64, 32, 4, 2), TileConfig(32, 64, 4, 2))
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The tiles of one problem. The block map is built once, at `sparse`, and drives every
+    kernel of the call: each reads it at its own tiles (BlockMap.for_tiles)."""
+
+    forward: TileConfig
+    backward: BackwardConfig
+    sparse: tuple[int, int]  # the block map's tile sizes (q, kv)
+
+
+def choose(head_dim: int, device_type: str, element_size: int, *, block_map_size=None,
+           forward: TileConfig | None = None) -> Tiles:
+    """The tiles of a problem: `forward` (an autotuned choice) or the default for the head dim,
+    the backward's, and the block map's granularity: the caller's map's (`block_map_size`),
+    else the forward kernel's own tiles, which skip the most (the backward's larger tiles read
+    a coarsened copy)."""
+    forward = forward or forward_config(head_dim, device_type)
+    backward = backward_config(head_dim, device_type, element_size)
+    for config in (forward, *backward):
+        check_block_size((config.block_m, config.block_n), "kernel tile")
+    sparse = (forward.block_m, forward.block_n) if block_map_size is None else check_block_size(
+        block_map_size, "block_map tile")
+    return Tiles(forward, backward, sparse)
+
+
+def check_block_size(block_size, what: str = "block_size") -> tuple[int, int]:
+    """The rule for every tile that drives a kernel: two powers of two from 16 to 256 (an int
+    for a square). Block maps drawn or counted only (maskc.block_map) may have any size."""
+    if isinstance(block_size, int) and not isinstance(block_size, bool):
+        block_size = (block_size, block_size)
+    try:
+        size = tuple(block_size)
+    except TypeError:
+        size = ()
+    if len(size) != 2 or any(not isinstance(b, int) or isinstance(b, bool) or not MIN_TILE <= b <= MAX_TILE
+                             or b & (b - 1) for b in size):
+        raise ValueError(f"{what} sizes must be two powers of two from {MIN_TILE} to {MAX_TILE}, got "
+                         f"{block_size!r}; use for example (64, 64)")
+    return size
 
 
 def bh_group(head_dim: int) -> int:

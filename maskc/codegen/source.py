@@ -1,0 +1,78 @@
+"""KernelSource: exactly what the templates read to print a kernel file, and nothing else.
+
+Two problems whose kernels have the same text share one KernelSource, so one file and one
+hash: dtypes, head dims and tile sizes are launch values (constexprs and pointer types that
+Triton specialises on when it compiles), not part of the text. How a kernel is launched is a
+runtime LaunchPlan (maskc/runtime/launch.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import sympy
+
+from maskc.codegen.separable import separate
+from maskc.trace import dag
+from maskc.trace.symbols import is_load, param_symbol
+from maskc.trace.tracer import Traced
+
+KINDS = ("fwd", "bwd")
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """A kernel file's identity. Expressions are canonical (their signatures stand for them);
+    captured values are not in it."""
+
+    kind: str  # "fwd" or "bwd"
+    mask_signature: str  # "" when there is no mask
+    score_signature: str  # "" when there is no score_mod
+    tensor_ranks: tuple[int, ...]  # captured tensors, the mask's first
+    param_kinds: tuple[str, ...]  # "i" or "f" per runtime scalar, the mask's first
+    # The forward adds a score of the form a·score + row + column in one FMA (codegen/separable.py),
+    # except for float64 inputs, which exist for exact checks: there the mod runs as written.
+    split_score: bool
+    mask_expr: sympy.Basic | None = field(default=None, compare=False, repr=False)
+    score_expr: sympy.Basic | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, kind: str, mask: Traced | None, score: Traced | None, *, exact: bool) -> "KernelSource":
+        """The source of the `kind` kernel for traced mask and score; `exact` for float64 inputs."""
+        mask_expr, score_expr, tensors, params = merge(mask, score)
+        split = kind == "fwd" and not exact and separate(score_expr) is not None
+        return cls(kind=kind, mask_signature=mask.signature if mask else "",
+                   score_signature=score.signature if score else "", tensor_ranks=tuple(t.dim() for t in tensors),
+                   param_kinds=tuple("i" if isinstance(p.value, int) else "f" for p in params), split_score=split,
+                   mask_expr=mask_expr, score_expr=score_expr)
+
+    def digest(self, *, codegen_hash: str, maskc_version: str) -> str:
+        """The hash of the text: these fields, the templates and codegen modules, and maskc's
+        version (the provenance line prints it)."""
+        fields = {k: v for k, v in self.__dict__.items() if k not in ("mask_expr", "score_expr")}
+        blob = json.dumps({**fields, "codegen": codegen_hash, "maskc": maskc_version}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def merge(mask: Traced | None, score: Traced | None):
+    """The mask's and the score's expressions with one numbering of tensors and parameters.
+
+    Returns (mask_expr, score_expr, tensors, param_values): the score's tensor slots and
+    parameters come after the mask's.
+    """
+    mask_expr = mask.expr if mask else None
+    tensors = list(mask.tensors) if mask else []
+    params = list(mask.params) if mask else []
+    score_expr = None
+    if score is not None:
+        offset, n = len(tensors), len(params)
+        renumber = {p.symbol: param_symbol(n + i, isinstance(p.value, int)) for i, p in enumerate(score.params)}
+        score_expr = dag.transform(score.expr, lambda e: type(e)(e.args[0] + offset, *e.args[1:]) if is_load(e)
+                                   else renumber.get(e, e))
+        tensors += list(score.tensors)
+        params += [type(p)(renumber[p.symbol], p.value, p.origin) for p in score.params]
+    return mask_expr, score_expr, tuple(tensors), tuple(params)
+
+
+__all__ = ["KINDS", "KernelSource", "merge"]

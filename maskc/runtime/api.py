@@ -1,0 +1,80 @@
+"""The runtime's public functions: compiled_attention() and compile()."""
+from __future__ import annotations
+
+import torch
+
+from maskc.analysis.blockmap import BlockMap
+from maskc.runtime import launch, plan
+from maskc.runtime.autograd import AttentionFunction, NoPairs
+from maskc.runtime.dtypes import DTYPES
+from maskc.runtime.kernel import CompiledKernel, kernel_for
+from maskc.runtime.tiles import check_block_size
+from maskc.trace.mods import as_mask_mod, as_score_mod
+
+
+def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enable_gqa=False, return_lse=False,
+                       block_map: BlockMap | None = None):
+    """Attention with a specialised, tile-skipping kernel; differentiable in q, k and v.
+
+    q [B, Hq, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv] (FlexAttention's shapes); k and
+    v may have batch 1, shared by every batch of q.
+    Returns out [B, Hq, Lq, Dv], or (out, lse) with lse [B, Hq, Lq] in natural log (float32;
+    float64 for float64 inputs, which exist for gradcheck and run slowly); both differentiable.
+    Rows with no kept key give out = 0 and lse = -inf. CPU tensors run the same generated
+    kernel through Triton's interpreter. A captured tensor indexed out of its range reads 0.
+    A block_map must come from maskc.block_map() for this mask, its values and captured
+    tensors, with tiles that are powers of two from 16 to 256 (any of them: the kernels read
+    it at their own tiles); without mask_mod, the map's own mask runs (as FlexAttention takes
+    a BlockMask's).
+
+    >>> out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.sliding_window(1024))
+    """
+    plan.check_tensors(q, k, v, enable_gqa)
+    mask, score = as_mask_mod(mask_mod), as_score_mod(score_mod)
+    if block_map is not None:
+        if not isinstance(block_map, BlockMap):
+            raise TypeError(f"block_map must be a maskc.BlockMap from maskc.block_map(), got "
+                            f"{type(block_map).__name__}")
+        if mask is None:
+            mask = block_map.mask_mod
+    B, Hq, Lq, D = q.shape
+    if k.shape[0] != B:
+        # views over q's batch: autograd sums their gradients back into k and v
+        k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if 0 in (B, Hq, Lq, k.shape[2]):
+        out, lse = NoPairs.apply(q, k, v) if differentiable else launch.no_pairs(q, v)
+        return (out, lse) if return_lse else out
+    if block_map is not None:
+        problem = plan.given(q, k, v, mask, score, scale, block_map)
+    else:
+        problem = plan.planned(q, k, v, mask, score, scale, launch.seconds)
+    if differentiable:
+        out, lse = AttentionFunction.apply(q, k, v, problem)
+    else:
+        out, lse = launch.forward(q, k, v, problem)
+    return (out, lse) if return_lse else out
+
+
+def compile(mask_mod=None, score_mod=None, *, dtype=torch.bfloat16, head_dim: int = 128,
+            head_dim_v: int | None = None, enable_gqa: bool = False, block_size=None, device=None) -> CompiledKernel:
+    """The forward kernel specialised to `mask_mod` and `score_mod`, from cache or freshly generated.
+
+    One kernel file serves every head dim, tile size and (but float64) dtype: those are launch
+    values, checked here as compiled_attention() would.
+
+    >>> kernel = maskc.compile(mask_mod=maskc.masks.causal, dtype=torch.bfloat16, head_dim=128)
+    >>> print(kernel.source)     # the Triton source that runs
+    >>> kernel.path              # where it is cached on disk
+    """
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype}; cast q, k and v")
+    plan.check_head_dims(head_dim, head_dim_v or head_dim, names=("head_dim", "head_dim_v"))
+    if block_size is not None:
+        check_block_size(block_size)
+    mask, score = as_mask_mod(mask_mod), as_score_mod(score_mod)
+    return kernel_for("fwd", mask.traced if mask else None, score.traced if score else None, dtype, device)
+
+
+__all__ = ["compile", "compiled_attention"]

@@ -1,0 +1,210 @@
+"""Launches: a LaunchPlan binds a kernel's arguments by name, once per Problem; a call fills in
+only its tensors and their strides.
+
+The forward kernel, then the backward's three: a preprocess computes Delta = rowsum(dO * O);
+dQ runs over the block map, dK/dV over its transpose, summed over the query heads of a GQA
+group inside the kernel. Every kernel reads the one block map of the call at its own tiles
+(BlockMap.for_tiles). dQ and the forward load and store through tensor descriptors where the
+layout and size allow (maskc/runtime/descriptors.py); dK/dV keeps pointers, which measured
+faster there.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from maskc.runtime.descriptors import DESCRIPTOR_MIN_PAIRS, descriptors
+from maskc.runtime.dtypes import accumulator, dot_precision, interpreter_safe, triton_accumulator
+from maskc.runtime.kernel import CompiledKernel
+from maskc.runtime.plan import Problem
+from maskc.runtime.tiles import TileConfig, bh_group, descriptors_enabled, padded
+
+_LOG2E = 1.4426950408889634
+
+
+class LaunchPlan:
+    """One kernel launch with every argument but the per-call ones bound, by name, to the
+    kernel's own parameter list (codegen's `Rendered.parameters`). A call passes the values
+    of `per_call` in that order; nothing else is positional."""
+
+    def __init__(self, kernel: CompiledKernel, name: str, interpret: bool, grid: tuple, fixed: dict,
+                 per_call: tuple[str, ...], options: dict):
+        params = kernel.parameters[name]
+        given = set(fixed) | set(per_call)
+        missing, unknown = [p for p in params if p not in given], sorted(given - set(params))
+        if missing or unknown:
+            # codegen and runtime disagree about the kernel's arguments: a maskc bug, named
+            raise RuntimeError(f"maskc launch of {name} in {kernel.path}: no value for {missing}, values for "
+                               f"parameters it does not have {unknown}")
+        self.fn = kernel.function(interpret, name)[grid]
+        self._args = [fixed.get(p) for p in params]
+        self._slots = tuple(params.index(p) for p in per_call)
+        self._options = options
+
+    def __call__(self, *values):
+        args = self._args.copy()
+        for slot, value in zip(self._slots, values):
+            args[slot] = value
+        return self.fn(*args, **self._options)
+
+
+def _strides(prefix: str, letters: str) -> tuple[str, ...]:
+    return tuple(f"stride_{prefix}{c}" for c in letters)
+
+
+# The per-call parameters of each launch: the tensors (or their descriptors), then their strides.
+_FORWARD_CALL = ("Q", "K", "V", "Out", "Lse", *_strides("q", "bhmd"), *_strides("k", "bhnd"), *_strides("v", "bhnd"),
+                 *_strides("o", "bhmd"))
+_DELTA_CALL = ("Out", "DO", "Delta", *_strides("o", "bhmd"), *_strides("do", "bhmd"))
+_DQ_CALL = ("Q", "K", "V", "DO", "DQ", "Lse", "Delta", *_strides("q", "bhmd"), *_strides("k", "bhnd"),
+            *_strides("v", "bhnd"), *_strides("do", "bhmd"), *_strides("dq", "bhmd"))
+_DKDV_CALL = ("Q", "K", "V", "DO", "DK", "DV", "Lse", "Delta", *_strides("q", "bhmd"), *_strides("k", "bhnd"),
+              *_strides("v", "bhnd"), *_strides("do", "bhmd"), *_strides("dk", "bhnd"), *_strides("dv", "bhnd"))
+
+
+def _map_args(problem: Problem, config: TileConfig, transposed: bool = False) -> dict:
+    """The block map's arguments for a kernel with `config`'s tiles (dK/dV: the transpose)."""
+    bm, q_multiple, kv_multiple = problem.block_map.for_tiles(config.block_m, config.block_n)
+    if transposed:
+        bm = bm.transposed
+    row_b, row_h = bm.kernel_rows(problem.B, problem.Hq)
+    return dict(FULL_OFFSETS=bm.full_offsets, FULL_RUNS=bm.full_runs, PARTIAL_OFFSETS=bm.partial_offsets,
+                PARTIAL_RUNS=bm.partial_runs, ROW_STRIDE_B=row_b, ROW_STRIDE_H=row_h,
+                SPARSE_Q_MULTIPLE=q_multiple, SPARSE_KV_MULTIPLE=kv_multiple)
+
+
+def _sizes(problem: Problem) -> dict:
+    return dict(num_heads=problem.Hq, group_size=problem.Hq // problem.Hkv, q_len=problem.Lq, kv_len=problem.Lkv,
+                HEAD_DIM=problem.D, HEAD_DIM_V=problem.Dv, D_PAD=padded(problem.D), DV_PAD=padded(problem.Dv),
+                DOT_PRECISION=dot_precision(problem.dtype), ACC=triton_accumulator(problem.dtype))
+
+
+def _options(config: TileConfig) -> dict:
+    return dict(num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _descriptor_sized(problem: Problem) -> bool:
+    """Whether descriptors may pay off here (see DESCRIPTOR_MIN_PAIRS); the interpreter always
+    takes them, so CPU tests run that path."""
+    return problem.interpret or problem.B * problem.Hq * problem.Lq * problem.Lkv >= DESCRIPTOR_MIN_PAIRS
+
+
+# -- forward ---------------------------------------------------------------------------------
+def forward(q, k, v, problem: Problem):
+    """(out, lse) from the forward kernel."""
+    dtype = q.dtype
+    q, k, v = interpreter_safe(q, k, v)
+    out = torch.empty((problem.B, problem.Hq, problem.Lq, problem.Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((problem.B, problem.Hq, problem.Lq), dtype=accumulator(q.dtype), device=q.device)
+    config = problem.tiles.forward
+    tma = None
+    if _descriptor_sized(problem) and descriptors_enabled():
+        d_pad, dv_pad = padded(problem.D), padded(problem.Dv)
+        m, n = config.block_m, config.block_n
+        tma = descriptors([(q, (1, 1, m, d_pad)), (k, (1, 1, n, d_pad)), (v, (1, 1, n, dv_pad)),
+                           (out, (1, 1, m, dv_pad))])
+    launch = problem.launches.get(("fwd", tma is not None)) or _forward_plan(problem, tma is not None)
+    launch(*(tma or (q, k, v, out)), lse, *q.stride(), *k.stride(), *v.stride(), *out.stride())
+    return (out if out.dtype == dtype else out.to(dtype)), lse
+
+
+def _forward_plan(problem: Problem, tma: bool) -> LaunchPlan:
+    config = problem.tiles.forward
+    even_kv = problem.Lkv % config.block_n == 0
+    sizes = _sizes(problem)
+    # without a score_mod the kernel folds log2(e) into the scale; a score_mod sees natural units
+    scale = problem.scale if problem.score is not None else problem.scale * _LOG2E
+    fixed = dict(
+        **sizes, **_map_args(problem, config), **problem.captured, qk_scale=scale,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN_KV=even_kv,
+        K_UNMASKED=even_kv and sizes["HEAD_DIM"] == sizes["D_PAD"],
+        V_UNMASKED=even_kv and sizes["HEAD_DIM_V"] == sizes["DV_PAD"],
+        POSITIVE_SCALE=problem.scale > 0, TMA=tma, PARTIAL_STAGES=config.partial_stages,
+        BH_GROUP=bh_group(problem.D))
+    grid = (-(-problem.Lq // config.block_m), problem.B * problem.Hq)
+    plan = LaunchPlan(problem.forward_kernel, "attention_fwd", problem.interpret, grid, fixed, _FORWARD_CALL,
+                      _options(config))
+    problem.launches[("fwd", tma)] = plan
+    return plan
+
+
+def seconds(q, k, v, problem: Problem) -> float:
+    """Median wall time of five forwards of `problem`, after one that compiles it (autotuning)."""
+    sync = torch.cuda.synchronize if q.device.type == "cuda" else (lambda: None)
+    forward(q, k, v, problem)
+    sync()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        forward(q, k, v, problem)
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[2]
+
+
+def no_pairs(q, v):
+    """(out, lse) where no (q, kv) pair exists: zeros, and -inf."""
+    B, Hq, Lq, _ = q.shape
+    out = torch.zeros((B, Hq, Lq, v.shape[3]), dtype=q.dtype, device=q.device)
+    lse = torch.full((B, Hq, Lq), float("-inf"), dtype=accumulator(q.dtype), device=q.device)
+    return out, lse
+
+
+# -- backward --------------------------------------------------------------------------------
+def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem):
+    """dq, dk, dv from the gradients of out and of lse (either may be None: unused)."""
+    dtype = q.dtype
+    d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
+    q, k, v, out, d_out = interpreter_safe(q, k, v, out, d_out)
+    launches = problem.launches.get("bwd") or _backward_plans(problem)
+    delta = torch.empty_like(lse)
+    launches["delta"](out, d_out, delta, *out.stride(), *d_out.stride())
+    if d_lse is not None:
+        # dS = P (dP - Delta) + P dlse: the gradient of lse (natural log, as the kernels' P =
+        # exp(S - lse)) enters as Delta - dlse. Rows with lse = -inf have P = 0 and get none.
+        delta -= d_lse
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    tma = None
+    # where the forward's launch found descriptors worth their host cost (DESCRIPTOR_MIN_PAIRS).
+    # dK/dV measured 5-12% slower with descriptors on an H100 (dQ 5-18% faster), so only dQ
+    # takes them (benchmarks/NOTES.md).
+    if _descriptor_sized(problem) and descriptors_enabled():
+        m, n = problem.tiles.backward.dq.block_m, problem.tiles.backward.dq.block_n
+        d_pad, dv_pad = padded(problem.D), padded(problem.Dv)
+        tma = descriptors([(q, (1, 1, m, d_pad)), (k, (1, 1, n, d_pad)), (v, (1, 1, n, dv_pad)),
+                           (d_out, (1, 1, m, dv_pad)), (dq, (1, 1, m, d_pad))])
+    launches["dq", tma is not None](*(tma or (q, k, v, d_out, dq)), lse, delta, *q.stride(), *k.stride(),
+                                    *v.stride(), *d_out.stride(), *dq.stride())
+    launches["dkdv"](q, k, v, d_out, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *d_out.stride(),
+                     *dk.stride(), *dv.stride())
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+
+
+def _backward_plans(problem: Problem) -> dict:
+    """The backward's four launch plans (dQ with and without descriptors)."""
+    kernel = problem.backward_kernel()
+    config = problem.tiles.backward
+    sizes = _sizes(problem)
+    interpret = problem.interpret
+    shared = dict(**sizes, **problem.captured, qk_scale=problem.scale)
+    n_q = -(-problem.Lq // config.dq.block_m)
+    plans = {"delta": LaunchPlan(
+        kernel, "attention_bwd_delta", interpret, (n_q, problem.B * problem.Hq),
+        dict(num_heads=problem.Hq, q_len=problem.Lq, HEAD_DIM_V=problem.Dv, DV_PAD=sizes["DV_PAD"],
+             BLOCK_M=config.dq.block_m, ACC=sizes["ACC"]), _DELTA_CALL, {})}
+    dq_fixed = dict(**shared, **_map_args(problem, config.dq), BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n,
+                    EVEN=problem.Lkv % config.dq.block_n == 0)
+    for tma in (False, True):
+        plans["dq", tma] = LaunchPlan(kernel, "attention_bwd_dq", interpret, (n_q, problem.B * problem.Hq),
+                                      dict(**dq_fixed, TMA=tma), _DQ_CALL, _options(config.dq))
+    plans["dkdv"] = LaunchPlan(
+        kernel, "attention_bwd_dkdv", interpret, (-(-problem.Lkv // config.dkdv.block_n), problem.B * problem.Hkv),
+        dict(**shared, **_map_args(problem, config.dkdv, transposed=True), BLOCK_M=config.dkdv.block_m,
+             BLOCK_N=config.dkdv.block_n, EVEN=problem.Lq % config.dkdv.block_m == 0),
+        _DKDV_CALL, _options(config.dkdv))
+    problem.launches["bwd"] = plans
+    return plans
+
+
+__all__ = ["LaunchPlan", "backward", "forward", "no_pairs", "seconds"]
