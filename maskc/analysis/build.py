@@ -17,8 +17,8 @@ import torch
 
 from maskc.analysis import dense
 from maskc.analysis.blockmap import BlockMap
-from maskc.analysis.classify import EMPTY, FULL, PARTIAL, classify_grid
-from maskc.analysis.intervals import Interval, IntervalEvaluator, TensorSummaries, _Undecidable
+from maskc.analysis.classify import EMPTY, FULL, PARTIAL, _Undecidable, classify_grid
+from maskc.analysis.intervals import Interval, IntervalEvaluator, TensorSummaries
 from maskc.analysis._shapes import broadcast
 from maskc.analysis.pieces import OPS, Pieces, pack
 from maskc.analysis.rows import Cuts, HostPieces, row_pieces

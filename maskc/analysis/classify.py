@@ -5,6 +5,10 @@ where a PARTIAL verdict is known to be exact (the tile really mixes kept and dro
 pairs). FULL and EMPTY are always exact; an uncertain PARTIAL is settled later by dense
 evaluation of that tile alone. A comparison whose range has a NaN end (the value may be NaN,
 which every comparison but != rejects) is an uncertain PARTIAL.
+
+The ranges come from the evaluator that classify_grid is given (intervals.IntervalEvaluator),
+whose Piecewise rule classifies its conditions here in turn. This module reaches the
+evaluator only through that argument, so intervals imports classify and not the reverse.
 """
 from __future__ import annotations
 
@@ -13,10 +17,14 @@ import functools
 import sympy
 import torch
 
-from maskc.analysis.intervals import IntervalEvaluator, _Undecidable
 from maskc.analysis._shapes import broadcast
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+class _Undecidable(Exception):
+    """Raised by an evaluator for an expression it has no interval rule for; callers fall
+    back (a relation that holds one is an uncertain PARTIAL)."""
 
 
 def constant(value: bool, device):
@@ -82,7 +90,7 @@ def relation(rel, iv):
     return cls, (torch.as_tensor(certain, device=cls.device) & known).expand(cls.shape)
 
 
-def classify_grid(expr, evaluator: IntervalEvaluator):
+def classify_grid(expr, evaluator):
     """Verdict of boolean `expr` on every tile of the evaluator's frame; each distinct
     subexpression is classified once (see IntervalEvaluator.scope)."""
     with evaluator.scope():

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import sympy
 import torch
 
+from maskc.analysis.classify import EMPTY, FULL, PARTIAL, _Undecidable, classify_grid
 from maskc.trace.symbols import INDEX_SYMBOLS, LoadBool, is_load
 
 
@@ -390,8 +391,6 @@ class IntervalEvaluator:
         return self._bitwise(a, b, torch.bitwise_xor, 0, top)
 
     def _Piecewise(self, e):
-        from maskc.analysis.classify import FULL, EMPTY, classify_grid
-
         out = self._run(e.args[-1].expr)
         tight = out.tight
         for branch in reversed(e.args[:-1]):
@@ -399,7 +398,7 @@ class IntervalEvaluator:
             val = self._run(branch.expr)
             lo = torch.where(verdict == FULL, val.lo, torch.where(verdict == EMPTY, out.lo, torch.minimum(val.lo, out.lo)))
             hi = torch.where(verdict == FULL, val.hi, torch.where(verdict == EMPTY, out.hi, torch.maximum(val.hi, out.hi)))
-            tight = tight and val.tight and not bool((verdict == 1).any())
+            tight = tight and val.tight and not bool((verdict == PARTIAL).any())
             out = Interval(lo, hi, tight, False, out.vars | val.vars)
         return out
 
@@ -460,10 +459,6 @@ def _value(c, values: dict):
 def _fraction(e):
     """Numerator and denominator of e, found once per expression."""
     return sympy.fraction(sympy.together(e))
-
-
-class _Undecidable(Exception):
-    """Raised inside evaluation when an expression has no interval rule; callers fall back."""
 
 
 def _shallow(e, depth: int = 3) -> bool:

@@ -2,9 +2,10 @@
 
 Every operator returns a new Proxy around a sympy expression, with torch's semantics for
 the kind of value it holds: a boolean, an integer or a float, read from the expression (see
-`Proxy.dtype`). Torch functions and tensor methods reach `_functions.call` and are looked
-up by identity there. Python control flow on a proxy (`if`, `and`, `or`, `not`, `bool()`,
-`int()`, `range()`) cannot be recorded, so it raises MaskTraceError pointing at the user's line.
+`Proxy.dtype`). Indexing a captured tensor with proxies is a load. Torch functions and tensor
+methods reach `call` and are looked up by identity in the handlers that maskc.trace._functions
+registers. Python control flow on a proxy (`if`, `and`, `or`, `not`, `bool()`, `int()`,
+`range()`) cannot be recorded, so it raises MaskTraceError pointing at the user's line.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import numbers
 import sympy
 import torch
 
+from maskc.errors import MaskTraceError
 from maskc.trace import _context
 from maskc.trace.canonical import conjunction, disjunction, negation, parity, piecewise
-from maskc.trace.symbols import BitAnd, BitOr, BitXor, LeftShift, LoadBool, LoadInt, RightShift, Trunc
+from maskc.trace.symbols import BitAnd, BitOr, BitXor, LeftShift, LoadBool, LoadFloat, LoadInt, RightShift, Trunc
 
 
 class Proxy:
@@ -26,7 +28,8 @@ class Proxy:
 
     def __init__(self, expr):
         self.expr = sympy.sympify(expr)
-        _functions.on_new_value()
+        for hook in _NEW_VALUE_HOOKS:
+            hook()
 
     # -- kinds -----------------------------------------------------------------------------
     @property
@@ -184,11 +187,11 @@ class Proxy:
         # tensor methods (q_idx.clamp(0, 8), score.exp()): the same table as torch functions
         if name.startswith("_") or not hasattr(torch.Tensor, name):
             raise AttributeError(f"'Proxy' object has no attribute {name!r}")
-        return _functions.method(self, name)
+        return method(self, name)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _functions.call(func, *args, **(kwargs or {}))
+        return call(func, *args, **(kwargs or {}))
 
     # -- what cannot be traced -------------------------------------------------------------
     def __bool__(self):
@@ -256,10 +259,10 @@ def wrap(value) -> Proxy:
     if isinstance(value, numbers.Real):
         return Proxy(sympy.Float(float(value)))
     if isinstance(value, torch.Tensor) and value.dim() == 0:
-        return Proxy(_functions.load(value, ()))
+        return Proxy(load(value, ()))
     if isinstance(value, sympy.Basic):
         return Proxy(value)
-    if isinstance(value, _functions.TensorView):
+    if isinstance(value, TensorView):
         value.refuse()
     _context.fail(f"combines a traced value with an object of type {type(value).__name__}",
                   "use Python numbers, captured tensors indexed by traced values, or other traced values")
@@ -334,11 +337,6 @@ def trunc(x):
     return Trunc(x)
 
 
-def fmod(a, b):
-    """torch.fmod: the remainder with the sign of the dividend, as C computes it."""
-    return a - trunc(a / b) * b
-
-
 def round_half_even(x, decimals: int = 0) -> Proxy:
     """torch.round and Python's round(): halves go to the even neighbour."""
     e = number(wrap(x))
@@ -350,23 +348,6 @@ def round_half_even(x, decimals: int = 0) -> Proxy:
     half = sympy.Rational(1, 2)
     rounded = piecewise((low, rest < half), (low + 1, rest > half), (low + sympy.Mod(low, 2), sympy.true))
     return Proxy(rounded / sympy.Integer(10) ** decimals)
-
-
-def extreme(a, b, fn) -> Proxy:
-    """torch.maximum (fn=Max) or minimum (Min); of two booleans it is | or &."""
-    pa, pb = wrap(a), wrap(b)
-    if pa.is_bool and pb.is_bool:
-        return Proxy((disjunction if fn is sympy.Max else conjunction)(pa.expr, pb.expr))
-    return Proxy(fn(number(pa), number(pb)))
-
-
-def clamp(x, min=None, max=None) -> Proxy:
-    e = number(wrap(x))
-    if min is not None:
-        e = sympy.Max(e, number(wrap(min)))
-    if max is not None:
-        e = sympy.Min(e, number(wrap(max)))
-    return Proxy(e)
 
 
 # -- comparisons and logic ---------------------------------------------------------------------
@@ -418,46 +399,132 @@ def shift(a, b, op: str) -> Proxy:
     return Proxy((LeftShift if op == "<<" else RightShift)(x, s))
 
 
-def where(cond, a, b) -> Proxy:
-    c = wrap(cond)
-    if not c.is_bool:
-        _context.fail(f"passes the non-boolean condition {c.expr} to torch.where",
-                      "compare it first, like torch.where(x != 0, a, b)")
-    pa, pb = wrap(a), wrap(b)
-    if pa.is_bool and pb.is_bool:
-        return Proxy(_choose(c.expr, pa.expr, pb.expr))
-    return Proxy(piecewise((number(pa), c.expr), (number(pb), sympy.true)))
+# -- captured tensors --------------------------------------------------------------------------
+class TensorView:
+    """A captured tensor indexed in fewer dimensions than it has, like `bias[b]`: its next
+    indexing (`[h][q_idx]`) completes the load; anything else is refused."""
+
+    __slots__ = ("tensor", "index")
+
+    def __init__(self, tensor: torch.Tensor, index: tuple):
+        self.tensor, self.index = tensor, index
+
+    def __getitem__(self, index):
+        return index_tensor(self.tensor, self.index + (index if isinstance(index, tuple) else (index,)))
+
+    def refuse(self, *args, **kwargs):
+        n, dims = len(self.index), self.tensor.dim()
+        _context.fail(f"indexes a captured tensor of {dims} dimensions with {n} indices ({dims - n} missing), "
+                      f"which leaves a vector: maskc traces mods that compute one value per (b, h, q_idx, "
+                      f"kv_idx)", "give one index per dimension, like bias[b][h][q_idx] or bias[b, h, q_idx]; "
+                      "for a reduction, dot product or top-k over a row, compute it outside the mod and "
+                      "capture the result")
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        self.refuse()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        next(a for a in args if isinstance(a, TensorView)).refuse()
 
 
-def _choose(c, a, b):
-    """torch.where of booleans, with c written once where the choice allows: a nest of
-    where(c, m, ~m) stays linear in size."""
-    if a == b:
-        return a
-    if b == negation(a):
-        return negation(parity(c, a))
-    if a == negation(b):
-        return parity(c, b)
-    if a is sympy.true or b is sympy.false:
-        return conjunction(c, a) if b is sympy.false else disjunction(c, b)
-    if a is sympy.false or b is sympy.true:
-        return conjunction(negation(c), b) if a is sympy.false else disjunction(negation(c), a)
-    return disjunction(conjunction(c, a), conjunction(negation(c), b))
+# Every operator of a partial view is refused: `bias[b] == 0` must not be Python's identity test.
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift"):
+    setattr(TensorView, f"__{_name}__", TensorView.refuse)
+    setattr(TensorView, f"__r{_name}__", TensorView.refuse)
+for _name in ("lt", "le", "gt", "ge", "eq", "ne", "neg", "pos", "abs", "invert", "bool", "index", "int", "float",
+              "floor", "ceil", "trunc", "round", "iter", "len", "divmod"):
+    setattr(TensorView, f"__{_name}__", TensorView.refuse)
 
 
-def cast(x, dtype) -> Proxy:
-    """`x.to(dtype)`: a float converted to an integer dtype is truncated; to bool, nonzero."""
-    p = wrap(x)
-    if dtype is None:
-        return p
-    if dtype == torch.bool:
-        return Proxy(boolean(p))
-    if dtype.is_complex:
-        _context.fail(f"converts a traced value to {dtype}", "use a real dtype")
-    if dtype.is_floating_point or p.is_bool:
-        return Proxy(number(p))
-    return Proxy(trunc(p.expr))
+def load(tensor: torch.Tensor, index: tuple):
+    slot = _context.tensor_slot(tensor)
+    if tensor.dtype == torch.bool:
+        return sympy.Ne(LoadBool(slot, *index), 0)
+    if tensor.dtype.is_floating_point:
+        return LoadFloat(slot, *index)
+    if tensor.dtype.is_complex:
+        _context.fail("indexes a complex tensor", "capture an integer, boolean or floating-point tensor")
+    return LoadInt(slot, *index)
 
 
-# NOTE: imported last: its table of torch functions refers to the operations above.
-from maskc.trace import _functions  # noqa: E402
+def index_tensor(tensor: torch.Tensor, index: tuple):
+    """`tensor[index]` for a captured tensor: a load once every dimension has an index."""
+    exprs = []
+    for dim, i in enumerate(index):
+        if isinstance(i, (slice, type(Ellipsis))) or i is None:
+            _context.fail("slices a captured tensor with ':', '...' or None",
+                          "index it with one traced value or integer per dimension, like table[h, q_idx]")
+        p = wrap(i)
+        if not p.is_int:
+            _context.fail(f"indexes a captured tensor with the non-integer value {p.expr}",
+                          "index with integer expressions of b, h, q_idx and kv_idx")
+        e = p.expr
+        if isinstance(e, sympy.Integer) and e < 0 and dim < tensor.dim():
+            e += tensor.shape[dim]  # torch counts a negative literal from the end
+        exprs.append(e)
+    if len(exprs) > tensor.dim():
+        _context.fail(f"indexes a captured tensor of {tensor.dim()} dimensions with {len(exprs)} indices",
+                      "give one index per dimension, like table[h, q_idx] for a 2-d tensor")
+    if len(exprs) < tensor.dim():
+        return TensorView(tensor, tuple(exprs))
+    return Proxy(load(tensor, tuple(exprs)))
+
+
+# -- torch functions and tensor methods --------------------------------------------------------
+# NOTE: what they do to traced values is built from the operations above, so it lives in
+# maskc.trace._functions, which imports this module and registers its handlers (and what a
+# trace does at each new value) here; maskc/trace/__init__.py imports it before any trace.
+_HANDLERS: dict = {}
+_NEW_VALUE_HOOKS: list = []
+
+
+def register(handler, *funcs) -> None:
+    """Make `handler` what each of `funcs` (torch.X, Tensor.X, F.X, ...) does to traced values."""
+    for func in funcs:
+        _HANDLERS[func] = handler
+
+
+def on_each_new_value(hook):
+    """Have `hook()` called as each Proxy is created; returns it, to serve as a decorator."""
+    _NEW_VALUE_HOOKS.append(hook)
+    return hook
+
+
+UNSUPPORTED_FIX = ("use + - * / // % comparisons & | ~ << >> torch.where/minimum/maximum/abs/clamp and elementwise "
+                   "functions (exp, log, tanh, sigmoid, sqrt, sin, cos, erf, F.gelu, ...), or compute the value "
+                   "outside the mod and capture it in a tensor")
+
+
+def call(func, *args, **kwargs):
+    """`func(*args, **kwargs)` on traced values."""
+    handler = _HANDLERS.get(func)
+    if handler is None:
+        _context.fail(f"calls {describe(func)}, which maskc cannot trace", UNSUPPORTED_FIX)
+    try:
+        return handler(*args, **kwargs)
+    except MaskTraceError:
+        raise
+    except TypeError as error:  # an argument the entry does not take: name the call, not our internals
+        _context.fail(f"calls {describe(func)} with arguments maskc cannot trace ({error})",
+                      "pass the arguments torch documents for an elementwise call")
+
+
+def method(value, name: str):
+    """`value.name`, a tensor method of a traced value."""
+    func = getattr(torch.Tensor, name)
+    if func not in _HANDLERS:
+        verb = "calls" if callable(func) else "reads"
+        _context.fail(f"{verb} Tensor.{name}, which maskc cannot trace", UNSUPPORTED_FIX)
+    return functools.partial(call, func, value)
+
+
+def describe(func) -> str:
+    name = torch.overrides.resolve_name(func)
+    if name:
+        return name.replace("torch.Tensor.", "Tensor.")
+    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    module = getattr(func, "__module__", None)
+    return f"{module}.{qualname}" if module else qualname
