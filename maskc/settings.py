@@ -25,6 +25,8 @@ SETTINGS = (
     Setting("MASKC_TRITON_KEY", "1",
             "0 stops maskc handing Triton its cache key from disk (Triton then hashes its install once per "
             "process, 0.3 s)"),
+    Setting("MASKC_DIRECT_LAUNCH", "1",
+            "0 launches every call through Triton's JIT entry point instead of the compiled kernel it returned"),
 )
 
 
@@ -56,4 +58,8 @@ def triton_key_shortcut() -> bool:
     return _flag("MASKC_TRITON_KEY", True)
 
 
-__all__ = ["SETTINGS", "Setting", "autotune", "cache_dir", "debug", "triton_key_shortcut"]
+def direct_launch() -> bool:
+    return _flag("MASKC_DIRECT_LAUNCH", True)
+
+
+__all__ = ["SETTINGS", "Setting", "autotune", "cache_dir", "debug", "direct_launch", "triton_key_shortcut"]

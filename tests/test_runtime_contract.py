@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import maskc
+import maskc.codegen
 from maskc import masks, scores
 from maskc.analysis.classify import EMPTY, FULL, PARTIAL
 from maskc.runtime import launch
@@ -115,3 +116,11 @@ def test_every_environment_knob_is_in_settings_and_the_readme():
     environ = [p for p in (ROOT / "maskc").rglob("*.py") if "os.environ" in p.read_text()]
     # loader.py sets TRITON_INTERPRET around an import: Triton's switch, not a setting of maskc's
     assert sorted(p.name for p in environ) == ["loader.py", "settings.py"]
+
+
+def test_old_names_still_work_and_say_what_replaced_them():
+    with pytest.warns(DeprecationWarning, match="KernelSource"):
+        assert maskc.codegen.KernelSpec is maskc.codegen.KernelSource
+    kernel = maskc.compile(masks.causal, device="cpu")
+    with pytest.warns(DeprecationWarning, match="kernel_source"):
+        assert kernel.spec is kernel.kernel_source

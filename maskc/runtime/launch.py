@@ -19,6 +19,7 @@ from maskc.runtime.dtypes import accumulator, dot_precision, interpreter_safe, t
 from maskc.runtime.kernel import CompiledKernel
 from maskc.runtime.plan import Problem
 from maskc.runtime.tiles import TileConfig, bh_group, descriptors_enabled, padded
+from maskc.settings import direct_launch
 
 _LOG2E = 1.4426950408889634
 
@@ -26,7 +27,16 @@ _LOG2E = 1.4426950408889634
 class LaunchPlan:
     """One kernel launch with every argument but the per-call ones bound, by name, to the
     kernel's own parameter list (codegen's `Rendered.parameters`). A call passes the values
-    of `per_call` in that order; nothing else is positional."""
+    of `per_call` in that order; nothing else is positional.
+
+    The direct launch: Triton's `fn[grid](...)` specialises every argument and hashes the
+    result into its cache key on each call (most of a tiny problem's 70-80 µs of host time on
+    the H100 machine, benchmarks/bench_overhead.py). The kernel that call returns is launched
+    directly (`compiled[grid](*args)`) while the per-call values specialise as they did then:
+    the same strides (ints specialise on ==1 and %16), tensors still 16-byte aligned (their
+    dtypes are the Problem's) and the same current device. Anything else takes Triton's path,
+    as does MASKC_DIRECT_LAUNCH=0 (maskc/settings.py). The launcher still calls a profiler's
+    launch hooks."""
 
     def __init__(self, kernel: CompiledKernel, name: str, interpret: bool, grid: tuple, fixed: dict,
                  per_call: tuple[str, ...], options: dict):
@@ -41,12 +51,36 @@ class LaunchPlan:
         self._args = [fixed.get(p) for p in params]
         self._slots = tuple(params.index(p) for p in per_call)
         self._options = options
+        self._grid = grid
+        self._direct = None if interpret else False  # None: never; False: not yet; else (runner, device, ints)
 
     def __call__(self, *values):
         args = self._args.copy()
         for slot, value in zip(self._slots, values):
             args[slot] = value
-        return self.fn(*args, **self._options)
+        direct = self._direct
+        if direct:
+            runner, device, ints = direct
+            tensors = [v for v in values if isinstance(v, torch.Tensor)]
+            if (ints == tuple(v for v in values if type(v) is int) and not any(t.data_ptr() & 15 for t in tensors)
+                    and torch.cuda.current_device() == device):
+                return runner(*args)
+        compiled = self.fn(*args, **self._options)
+        if direct is False and direct_launch():
+            self._direct = _direct_runner(compiled, self._grid, values)
+        return compiled
+
+
+def _direct_runner(compiled, grid, values):
+    """(runner, device, int values) for launching `compiled` directly, or None where this
+    Triton's compiled kernel has no grid launcher, a value is neither a tensor nor an int (a
+    tensor descriptor), or a tensor is not 16-byte aligned."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not hasattr(compiled, "__getitem__") or len(tensors) + sum(type(v) is int for v in values) != len(values):
+        return None
+    if any(t.data_ptr() & 15 for t in tensors):
+        return None
+    return compiled[grid], torch.cuda.current_device(), tuple(v for v in values if type(v) is int)
 
 
 def _strides(prefix: str, letters: str) -> tuple[str, ...]:
