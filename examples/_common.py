@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 import maskc
+from maskc.runtime.tiles import choose
 from maskc.testing import assert_close_to_reference, attention_reference
 
 
@@ -76,19 +77,20 @@ def check(out: torch.Tensor, ref: torch.Tensor, what: str) -> bool:
 
 def specialised_lines(source: str) -> list[str]:
     """From generated kernel source: the '# mask_mod:' / '# score_mod:' header comments and,
-    inside the PARTIAL-tile loop, the mask line (`keep = ...`) and score line (`s = (...) * LOG2E`)."""
+    in the tile function both loops call (`_fwd_tile`), the mask line (`keep = ...`) and the
+    score line (`s = (...) * LOG2E`)."""
     lines = source.splitlines()
     header = [line for line in lines if line.startswith(("# mask_mod:", "# score_mod:"))]
-    starts = [i for i, line in enumerate(lines) if "# PARTIAL tiles" in line]
-    ends = [i for i, line in enumerate(lines) if "# FULL tiles" in line]
-    if not header or not starts or not ends:
+    starts = [i for i, line in enumerate(lines) if line.startswith("def _fwd_tile(")]
+    if not header or not starts:
         raise RuntimeError("the generated kernel no longer has the '# mask_mod:' header or the "
-                           "'# PARTIAL tiles' / '# FULL tiles' comments this example looks for")
-    loop = [line.strip() for line in lines[starts[0]:ends[0]]]
-    picked = [line for line in loop if line.startswith("keep = ")
+                           "'def _fwd_tile(' function this example looks for")
+    ends = [i for i, line in enumerate(lines) if i > starts[0] and line.startswith("@triton.jit")]
+    body = [line.strip() for line in lines[starts[0]:ends[0] if ends else None]]
+    picked = [line for line in body if line.startswith("keep = ")
               or (line.startswith("s = (") and line.endswith("* LOG2E"))]
     if not any(line.startswith("s = (") for line in picked):
-        picked.append("(no score_mod: the loop uses the scaled scores qk * qk_scale as they are)")
+        picked.append("(no score_mod: the tile uses the scaled scores qk * qk_scale as they are)")
     return header + ["...", *picked]
 
 
@@ -97,8 +99,9 @@ def run_example(p: Problem, mask_mod, score_mod=None) -> int:
     name = mask_mod.__name__ + (f" + {score_mod.__name__}" if score_mod is not None else "")
     print(f"== {name}: {p}")
     kernel = maskc.compile(mask_mod=mask_mod, score_mod=score_mod, dtype=p.dtype, head_dim=p.D, device=p.device)
-    bm = maskc.block_map(mask_mod, p.L, p.L, block_size=(kernel.spec.block_m, kernel.spec.block_n),
-                         B=p.B, H=p.H, device=p.device)
+    # the tiles compiled_attention would choose for the map (maskc/runtime/tiles.py owns them)
+    tiles = choose(p.D, p.device.type, torch.empty((), dtype=p.dtype).element_size())
+    bm = maskc.block_map(mask_mod, p.L, p.L, block_size=tiles.sparse, B=p.B, H=p.H, device=p.device)
 
     q, k, v = p.inputs()
     start = time.perf_counter()

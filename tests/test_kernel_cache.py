@@ -58,6 +58,25 @@ def test_source_is_the_file_that_runs(cache_dir):
     compile(kernel.source, str(kernel.path), "exec")  # valid Python as written
 
 
+def test_files_define_only_the_helpers_they_call():
+    causal = _compile(masks.causal).source
+    for helper in ("_floordiv", "_ceildiv", "_truncdiv", "_mod", "_tanh", "_sign", "_lshift", "_rshift", "_widen"):
+        assert f"def {helper}(" not in causal
+    assert "def _max_combine(" in causal and "def _sum_combine(" in causal
+
+    def blocks(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx) // 8 == 0
+
+    floor = _compile(blocks).source  # q_idx - kv_idx may be negative: Python's floor through _floordiv
+    assert "_floordiv(" in floor and "def _floordiv(" in floor and "def _mod(" not in floor
+    softcap = _compile(masks.causal, scores.softcap(20.0)).source
+    assert "def _tanh(" in softcap and "def _floordiv(" not in softcap
+    # a helper that calls another brings it along
+    truncated = _compile(None, lambda score, b, h, q_idx, kv_idx: score * torch.div(
+        q_idx - kv_idx, 3, rounding_mode="trunc")).source
+    assert "def _truncdiv(" in truncated and "def _floordiv(" in truncated
+
+
 def test_one_file_per_distinct_text(cache_dir):
     kernel = _compile(masks.causal)
     assert re.fullmatch(r"fwd_[0-9a-f]{16}\.py", kernel.path.name), kernel.path.name
@@ -85,16 +104,36 @@ def test_one_file_per_distinct_text(cache_dir):
                          ids=lambda m: m.__name__)
 def test_full_tiles_have_no_mask_code(mask):
     source = _compile(mask, scores.alibi(scores.alibi_slopes(2))).source
+    # both loops run the one tile function, the FULL loop with MASKED=False
     assert source.count("# PARTIAL tiles") == 1 and source.count("# FULL tiles") == 1
-    head, full = source.split("# FULL tiles")
-    partial = head.split("# PARTIAL tiles")[1]
+    head, full_loop = source.split("# FULL tiles")
+    partial_loop = head.split("# PARTIAL tiles")[1]
+    assert partial_loop.count("_fwd_tile(") == 1 and "MASKED=True" in partial_loop
+    assert full_loop.count("_fwd_tile(") == 1 and "MASKED=False" in full_loop
+    # where MASKED, a compile-time constant, leaves FULL tiles no mask code
+    tile = _block(source, "def _fwd_tile(")
+    partial, full = _block(tile, "    if MASKED:"), _block(tile, "    else:", after="    if MASKED:")
     mask_text = TritonPrinter().doprint(mask.expr)
-    assert f"keep = ({mask_text}) != 0" in partial
-    assert mask_text not in full
+    assert f"keep = ({mask_text}) != 0" in partial and source.count(mask_text) == 1
     assert "keep" not in full
-    # the score mod is applied in both loops; FULL tiles use ALiBi's split form (codegen/separable.py)
-    assert partial.count("s = (") == 1
-    assert full.count("t = qk * score_scale + (") == 1 and "s = (" not in full
+    # the score mod is applied on both; FULL tiles use ALiBi's split form (codegen/separable.py)
+    assert tile.count("s = (") == 1 and "s = (" not in full
+    assert full.count("t = qk * score_scale + (") == 1
+
+
+def _block(source: str, header: str, after: str | None = None) -> str:
+    """The lines of `source` in the block that the line `header` opens (the first such line
+    after the line `after`)."""
+    lines = source.splitlines()
+    first = lines.index(after) if after else 0
+    start = lines.index(header, first)
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    body = []
+    for line in lines[start + 1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent and not line.strip().startswith(")"):
+            break
+        body.append(line)
+    return "\n".join(body)
 
 
 # -- sharing --------------------------------------------------------------------------------

@@ -86,17 +86,18 @@ def parameters(text: str) -> dict[str, tuple[str, ...]]:
 
 def _hooks(spec: KernelSource) -> dict:
     """The Triton text the template prints at its named hooks: each `*_expr` with the
-    `*_statements` that run before it."""
+    `*_statements` that run before it, and the printer's `helpers` that the text calls."""
     hooks = {}
+    printer = TritonPrinter()  # each block has its own names; `helpers` collects over all three
     mask = sympy.true if spec.mask_expr is None else spec.mask_expr
-    _name(hooks, "mask", TritonPrinter().block([mask], "_mask")[0])
+    _name(hooks, "mask", printer.block([mask], "_mask")[0])
     score_grad = None
     if spec.kind == "bwd" and spec.score_expr is not None:
         score_grad = score_derivative(spec.score_expr)
         score_grad = None if score_grad == 1 else score_grad
     # the derivative runs after the score in the same tile, so it may use the score's names
     scores = [e for e in (spec.score_expr, score_grad) if e is not None]
-    printed = iter(TritonPrinter().block(scores, "_score"))
+    printed = iter(printer.block(scores, "_score"))
     for hook, expr in (("score", spec.score_expr), ("score_grad", score_grad)):
         _name(hooks, hook, next(printed) if expr is not None else None)
     # Only the forward uses the split. float64 runs exist for exact checks (gradcheck): there
@@ -106,9 +107,12 @@ def _hooks(spec: KernelSource) -> dict:
     hooks["separable"] = separable is not None
     # the row's and coefficient's statements run once per program, before the column's loop
     terms = (separable.coefficient, separable.row, separable.column) if separable else ()
-    printed = TritonPrinter().block(terms, "_split") if separable else [None] * 3
+    printed = printer.block(terms, "_split") if separable else [None] * 3
     for hook, p in zip(("coefficient", "row", "column"), printed):
         _name(hooks, hook, p)
+    # the column's text runs in the tile function, which takes the names it may read as arguments
+    hooks["split_names"] = [name for p in printed[:2] if p for name in p.names]
+    hooks["helpers"] = sorted(printer.helpers)  # the file defines only these
     return hooks
 
 
