@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 PUBLIC = ["BlockMap", "CacheInfo", "CompiledKernel", "MaskMod", "MaskTraceError", "MaskcError", "ScoreMod",
           "__version__", "block_map", "cache_info", "compile", "compiled_attention", "mask_mod", "masks",
-          "score_mod", "scores"]
+          "plot", "score_mod", "scores"]
 
 
 def test_public_surface_is_pinned():

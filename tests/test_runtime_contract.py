@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from triton.runtime.errors import InterpreterError
 
 import maskc
 import maskc.codegen
 from maskc import masks, scores
 from maskc.analysis.classify import EMPTY, FULL, PARTIAL
+from maskc.runtime import kernel as kernel_module
 from maskc.runtime import launch
 from maskc.runtime.kernel import kernel_for
 from maskc.runtime.tiles import BackwardConfig, TileConfig, check_block_size, choose, use_config
@@ -124,3 +126,19 @@ def test_old_names_still_work_and_say_what_replaced_them():
     kernel = maskc.compile(masks.causal, device="cpu")
     with pytest.warns(DeprecationWarning, match="kernel_source"):
         assert kernel.spec is kernel.kernel_source
+
+
+def test_an_interpreter_too_old_for_numpy_says_so(monkeypatch):
+    # Triton 3.6's interpreter with numpy >= 2.4 (the GPU image's pair) fails inside Triton
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise InterpreterError("TypeError('only 0-dimensional arrays can be converted to Python scalars')")
+            return launch
+
+    monkeypatch.setattr(kernel_module, "_NUMPY", (2, 5))
+    with pytest.raises(RuntimeError, match=r"numpy<2.4' or a newer Triton"):
+        kernel_module._Interpreted(Failing())[(1,)]()
+    monkeypatch.setattr(kernel_module, "_NUMPY", (2, 3))
+    with pytest.raises(InterpreterError):  # another cause: Triton's own error, untouched
+        kernel_module._Interpreted(Failing())[(1,)]()

@@ -178,24 +178,60 @@ class BlockMap:
         return new
 
     # -- picture ----------------------------------------------------------------------------
-    def __str__(self) -> str:
-        dense = self.to_dense()[0, 0].cpu()
-        step_q = max(1, -(-self.n_q // _PICTURE_MAX))
-        step_kv = max(1, -(-self.n_kv // _PICTURE_MAX))
+    def tiles_of(self, b: int = 0, h: int = 0, max_size: int | None = None) -> tuple[torch.Tensor, int, int]:
+        """(grid, step_q, step_kv): int8 verdicts of (b, h)'s tiles on the CPU, each cell covering
+        step_q × step_kv tiles so that neither side exceeds `max_size` (a cell is FULL or EMPTY
+        where every tile it covers is, else PARTIAL). Counted from the runs, so a long sequence
+        never builds its whole tile grid.
+
+        >>> grid, _, _ = maskc.block_map(maskc.masks.causal, 512, 512).tiles_of()
+        >>> grid.tolist()[1]
+        [2, 1, 0, 0]
+        """
+        for name, index, stored in (("b", b, self.B), ("h", h, self.H)):
+            # a map stored once for every b (or h) has any index
+            if index < 0 or 1 < stored <= index:
+                raise ValueError(f"{name} must be in [0, {stored}) for this block map, built with "
+                                 f"{name.upper()}={stored}, got {index}")
+        row0 = ((b if self.B > 1 else 0) * self.H + (h if self.H > 1 else 0)) * self.n_q
+        step_q = max(1, -(-self.n_q // max_size)) if max_size else 1
+        step_kv = max(1, -(-self.n_kv // max_size)) if max_size else 1
+        rows, cols = -(-self.n_q // step_q), -(-self.n_kv // step_kv)
+        edges = torch.arange(cols + 1, dtype=torch.int64).mul_(step_kv).clamp_(max=self.n_kv)
+        counts = []
+        for offsets, runs in ((self.full_offsets, self.full_runs), (self.partial_offsets, self.partial_runs)):
+            offsets = offsets[row0:row0 + self.n_q + 1].cpu().long()
+            runs = runs[offsets[0]:offsets[-1]].cpu().long()
+            row = torch.repeat_interleave(torch.arange(self.n_q), offsets.diff()) // step_q
+            count = torch.zeros(rows, cols, dtype=torch.int64)
+            # tiles of each run inside each cell's columns, a few thousand runs at a time
+            for i in range(0, len(runs), 4096):
+                s, e = runs[i:i + 4096, :1], runs[i:i + 4096, 1:]
+                covered = (edges - s).clamp(min=0).minimum(e - s)
+                count.index_add_(0, row[i:i + 4096], covered.diff(dim=1))
+            counts.append(count)
+        full, kept = counts[0], counts[0] + counts[1]
+        heights = torch.full((rows, 1), step_q, dtype=torch.int64)
+        heights[-1] = self.n_q - step_q * (rows - 1)
+        size = heights * edges.diff()
+        grid = torch.where(kept == 0, EMPTY, torch.where(full == size, FULL, PARTIAL)).to(torch.int8)
+        return grid, step_q, step_kv
+
+    def picture(self, b: int = 0, h: int = 0) -> str:
+        """The tiles of (b, h) as text, one character per tile (or per cell of tiles past 64 a side)."""
+        grid, step_q, step_kv = self.tiles_of(b, h, _PICTURE_MAX)
         head = (f"BlockMap({self.mask_name}, q_len={self.q_len}, kv_len={self.kv_len}, block_size={self.block_size}, "
                 f"stored B×H={self.B}×{self.H}, tiles {self.n_q}×{self.n_kv}: full={self.num_full} "
                 f"partial={self.num_partial} empty={self.num_empty}, sparsity={self.sparsity:.1%})")
         lines = [head]
-        if step_q > 1 or step_kv > 1:
-            lines.append(f"(b=0, h=0; each character covers {step_q}×{step_kv} tiles)")
-        for i in range(0, self.n_q, step_q):
-            row = []
-            for j in range(0, self.n_kv, step_kv):
-                cell = dense[i:i + step_q, j:j + step_kv]
-                lo, hi = int(cell.min()), int(cell.max())
-                row.append(_GLYPHS[lo] if lo == hi else _GLYPHS[PARTIAL])
-            lines.append("".join(row))
+        if step_q > 1 or step_kv > 1 or (b, h) != (0, 0):
+            cells = f"; each character covers {step_q}×{step_kv} tiles" if step_q > 1 or step_kv > 1 else ""
+            lines.append(f"(b={b}, h={h}{cells})")
+        lines += ["".join(_GLYPHS[v] for v in row) for row in grid.tolist()]
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.picture()
 
     def __repr__(self) -> str:
         return self.__str__().splitlines()[0]

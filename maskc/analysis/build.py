@@ -10,6 +10,8 @@ undecidable operation) are settled by evaluating the mask on those tiles alone.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 
 import numpy as np
 import sympy
@@ -26,6 +28,7 @@ from maskc.trace import dag
 from maskc.trace import symbols as S
 from maskc.trace.mods import as_mask_mod
 
+_log = logging.getLogger(__name__)
 # Dense settling evaluates about this many pairs at a time.
 _SETTLE_CHUNK = 1 << 22
 
@@ -48,6 +51,7 @@ def block_map_of_trace(mm, traced, q_len: int, kv_len: int, *, block_size=(128, 
                        H: int | None = None, device=None) -> BlockMap:
     """block_map() of one trace of the MaskMod `mm`: the runtime builds the maps of a call from
     the trace its kernel runs with, read once per call, not from a later re-trace of `mm`."""
+    start = time.perf_counter()
     bm, bn = block_size = _block_size(block_size)
     for name, value in (("q_len", q_len), ("kv_len", kv_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -66,8 +70,13 @@ def block_map_of_trace(mm, traced, q_len: int, kv_len: int, *, block_size=(128, 
     if pieces is None:
         pieces = ctx.pieces(traced.expr)
     pieces = ctx.settle(pieces.expand(broadcast(pieces.starts.shape[:3], (1, 1, ctx.n_q))))
-    return BlockMap(pieces, q_len=q_len, kv_len=kv_len, block_size=block_size, mask_name=mm.__name__, mask_mod=mm,
-                    traced=traced, device=device)
+    result = BlockMap(pieces, q_len=q_len, kv_len=kv_len, block_size=block_size, mask_name=mm.__name__, mask_mod=mm,
+                      traced=traced, device=device)
+    if _log.isEnabledFor(logging.INFO):  # the counts read the map back from its device
+        _log.info("block map of '%s' at %d×%d, %d×%d tiles on %s in %.1f ms: %d FULL, %d PARTIAL, %d EMPTY",
+                  mm.__name__, q_len, kv_len, bm, bn, device, (time.perf_counter() - start) * 1e3, result.num_full,
+                  result.num_partial, result.num_empty)
+    return result
 
 
 def _work_device(traced, target: torch.device) -> torch.device:

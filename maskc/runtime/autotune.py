@@ -21,6 +21,7 @@ import threading
 
 from triton.runtime.errors import OutOfResources
 
+from maskc._log import progress
 from maskc.runtime.cache import write_atomic
 from maskc.runtime.tiles import TileConfig
 from maskc.settings import cache_dir
@@ -45,6 +46,7 @@ def tuned(key: str, candidates: list[TileConfig], seconds_of) -> TileConfig:
     if stored is not None:
         return TileConfig(*stored)
     times = {c: [] for c in candidates}
+    progress(f"autotuning {len(candidates)} tile configs, once per kernel and length bucket (kept in {_FILE})")
     for _ in range(3):
         for c in list(times):
             try:

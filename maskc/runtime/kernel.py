@@ -6,9 +6,13 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
+import triton
+from triton.runtime.errors import InterpreterError
 
 from maskc._version import __version__
+from maskc.codegen.printer import describe
 from maskc.codegen.render import KERNEL_NAMES, codegen_hash, parameters, render
 from maskc.codegen.source import KernelSource
 from maskc.runtime import loader
@@ -20,6 +24,7 @@ from maskc.runtime.cache import KERNELS
 # of calls with two threads). Interpreted launches take turns on this lock; compiled CUDA
 # launches do not take it.
 _INTERPRETER = threading.Lock()
+_NUMPY = tuple(int(part) for part in np.__version__.split(".")[:2])
 
 
 @dataclass
@@ -47,8 +52,8 @@ class CompiledKernel:
         name = name or KERNEL_NAMES[self.kernel_source.kind][0]
         module = self._functions.get(interpret)
         if module is None:
-            self.path = KERNELS.importable(self.path, self.source)
-            module = self._functions[interpret] = loader.load(self.path, interpret=interpret)
+            with KERNELS.loading(self.path, self.source) as self.path:
+                module = self._functions[interpret] = loader.load(self.path, interpret=interpret)
         fn = getattr(module, name)
         return _Interpreted(fn) if interpret else fn
 
@@ -64,7 +69,15 @@ class _Interpreted:
 
         def serialised(*args, **kwargs):
             with _INTERPRETER:
-                return launch(*args, **kwargs)
+                try:
+                    return launch(*args, **kwargs)
+                except InterpreterError as error:
+                    if "only 0-dimensional arrays can be converted" in str(error) and _NUMPY >= (2, 4):
+                        raise RuntimeError(
+                            f"Triton {triton.__version__}'s interpreter, which runs maskc's kernels on CPU tensors, "
+                            f"fails with numpy {np.__version__} (Triton 3.6's needs numpy < 2.4); install "
+                            f"'numpy<2.4' or a newer Triton to run attention on CPU tensors") from error
+                    raise
 
         return serialised
 
@@ -80,10 +93,27 @@ def kernel_for(kind: str, mask, score, dtype: torch.dtype, device: torch.device)
     if device.type == "cuda":
         loader.warm_up()  # Triton's one-off set-up overlaps rendering and the caller's block map
     digest = source.digest(codegen_hash=codegen_hash(), maskc_version=__version__)
-    text, path = KERNELS.source(f"{kind}_{digest}", lambda: render(source).text)
+    text, path = KERNELS.source(f"{kind}_{digest}", lambda: render(source).text, _tags(source, mask, score))
     kernel = CompiledKernel(source, digest, text, path, parameters(text))
     KERNELS.put(source, kernel)
     return kernel
 
 
-__all__ = ["CompiledKernel", "kernel_for"]
+def provenance() -> dict:
+    """What this install writes on a kernel file's tag line: a file tagged with another maskc
+    version or codegen hash is one it never reads again (its name's digest covers both). The
+    text does not depend on Triton's version, which is recorded for bug reports."""
+    return {"maskc": __version__, "codegen": codegen_hash(), "triton": triton.__version__}
+
+
+def _tags(source: KernelSource, mask, score) -> dict:
+    """The tag line of a new file: provenance, and the mods it was first rendered for (the
+    file serves every mod of the same signature)."""
+    tags = provenance()
+    for what, traced, expr in (("first_mask", mask, source.mask_expr), ("first_score", score, source.score_expr)):
+        if traced is not None:
+            tags[what] = f"{traced.name}: {describe(expr, limit=60)}"
+    return tags
+
+
+__all__ = ["CompiledKernel", "kernel_for", "provenance"]

@@ -10,10 +10,12 @@ faster there.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
+from maskc._log import slow
 from maskc.runtime.descriptors import DESCRIPTOR_MIN_PAIRS, descriptors
 from maskc.runtime.dtypes import accumulator, dot_precision, interpreter_safe, triton_accumulator
 from maskc.runtime.kernel import CompiledKernel
@@ -22,6 +24,7 @@ from maskc.runtime.tiles import TileConfig, bh_group, descriptors_enabled, padde
 from maskc.settings import direct_launch
 
 _LOG2E = 1.4426950408889634
+_log = logging.getLogger(__name__)
 
 
 class LaunchPlan:
@@ -48,6 +51,8 @@ class LaunchPlan:
             raise RuntimeError(f"maskc launch of {name} in {kernel.path}: no value for {missing}, values for "
                                f"parameters it does not have {unknown}")
         self.fn = kernel.function(interpret, name)[grid]
+        self._what = f"{name} of {kernel.path.name}"
+        self._launched = False
         self._args = [fixed.get(p) for p in params]
         self._slots = tuple(params.index(p) for p in per_call)
         self._options = options
@@ -65,9 +70,21 @@ class LaunchPlan:
             if (ints == tuple(v for v in values if type(v) is int) and not any(t.data_ptr() & 15 for t in tensors)
                     and torch.cuda.current_device() == device):
                 return runner(*args)
-        compiled = self.fn(*args, **self._options)
+        compiled = self.fn(*args, **self._options) if self._launched else self._first(args)
         if direct is False and direct_launch():
             self._direct = _direct_runner(compiled, self._grid, values)
+        return compiled
+
+    def _first(self, args):
+        """The first launch, in which Triton compiles the kernel for these constexprs (or finds
+        it in its own cache), or the interpreter runs it: timed, logged, and announced on a
+        terminal when it runs long."""
+        how = "interpreting" if self._direct is None else "compiling"
+        start = time.perf_counter()
+        with slow(f"{how} {self._what} (the first call of a kernel and shape; later calls reuse it)"):
+            compiled = self.fn(*args, **self._options)
+        self._launched = True
+        _log.info("first launch of %s (%s) took %.2f s", self._what, how, time.perf_counter() - start)
         return compiled
 
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import logging
 import math
 import operator
 import os
 import threading
+import time
 import types
 from dataclasses import dataclass, field
 
@@ -28,6 +30,7 @@ from maskc.trace.canonical import canonicalize
 from maskc.trace.proxy import Proxy, wrap
 from maskc.trace.symbols import INDEX_SYMBOLS, LOADS, SCORE, is_load, param_symbol
 
+_log = logging.getLogger(__name__)
 # Re-entrant: a mod body may build, and so trace, another mod.
 _LOCK = threading.RLock()
 # Functions from these packages are library code: never re-bound, never treated as user code.
@@ -337,11 +340,17 @@ def trace(fn, kind: str) -> Traced:
                            f"must take {nargs} positional arguments {expected}",
                            f"define it as def {name}{expected}") from None
     structural: frozenset = frozenset()
+    start = time.perf_counter()
     while True:
         try:
-            return _trace_once(target, kind, name, filename, lineno, structural)
+            traced = _trace_once(target, kind, name, filename, lineno, structural)
         except _Structural as reached:
             structural |= {reached.origin}
+            continue
+        _log.info("traced %s '%s' in %.1f ms; parameters: %s; captured tensors: %d", kind, name,
+                  (time.perf_counter() - start) * 1e3,
+                  ", ".join(f"{p.origin}={p.value}" for p in traced.params) or "none", len(traced.tensors))
+        return traced
 
 
 def _trace_once(target, kind, name, filename, lineno, structural) -> Traced:
