@@ -36,8 +36,8 @@ class LaunchPlan:
     result into its cache key on each call (most of a tiny problem's 70-80 µs of host time on
     the H100 machine, benchmarks/bench_overhead.py). The kernel that call returns is launched
     directly (`compiled[grid](*args)`) while the per-call values specialise as they did then:
-    the same strides (ints specialise on ==1 and %16), tensors still 16-byte aligned (their
-    dtypes are the Problem's) and the same current device. Anything else takes Triton's path,
+    the same strides (ints specialise on ==1 and %16), tensors of the same dtypes still 16-byte
+    aligned, and the same current device. Anything else takes Triton's path,
     as does MASKC_DIRECT_LAUNCH=0 (maskc/settings.py). The launcher still calls a profiler's
     launch hooks."""
 
@@ -65,10 +65,10 @@ class LaunchPlan:
             args[slot] = value
         direct = self._direct
         if direct:
-            runner, device, ints = direct
+            runner, device, ints, dtypes = direct
             tensors = [v for v in values if isinstance(v, torch.Tensor)]
             if (ints == tuple(v for v in values if type(v) is int) and not any(t.data_ptr() & 15 for t in tensors)
-                    and torch.cuda.current_device() == device):
+                    and dtypes == tuple(t.dtype for t in tensors) and torch.cuda.current_device() == device):
                 return runner(*args)
         compiled = self.fn(*args, **self._options) if self._launched else self._first(args)
         if direct is False and direct_launch():
@@ -89,7 +89,7 @@ class LaunchPlan:
 
 
 def _direct_runner(compiled, grid, values):
-    """(runner, device, int values) for launching `compiled` directly, or None where this
+    """(runner, device, int values, tensor dtypes) for launching `compiled` directly, or None where this
     Triton's compiled kernel has no grid launcher, a value is neither a tensor nor an int (a
     tensor descriptor), or a tensor is not 16-byte aligned."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
@@ -98,7 +98,8 @@ def _direct_runner(compiled, grid, values):
     if any(t.data_ptr() & 15 for t in tensors):
         return None
     grid = (*grid, 1, 1)[:3]  # the compiled kernel's launcher reads all three dimensions
-    return compiled[grid], torch.cuda.current_device(), tuple(v for v in values if type(v) is int)
+    return (compiled[grid], torch.cuda.current_device(), tuple(v for v in values if type(v) is int),
+            tuple(t.dtype for t in tensors))
 
 
 def _strides(prefix: str, letters: str) -> tuple[str, ...]:
