@@ -6,10 +6,13 @@ from maskc import _log, masks, scores  # noqa: F401  (_log: the maskc logger, se
 from maskc._version import __version__
 from maskc.analysis import BlockMap, block_map
 from maskc.errors import MaskcError, MaskTraceError
+from maskc.integrations.flex import (BlockMask, and_masks, create_block_mask, create_mask, flex_attention, noop_mask,
+                                     or_masks)
 from maskc.plot import plot
 from maskc.runtime import CacheInfo, CompiledKernel, cache_info, compile, compiled_attention
 from maskc.trace import MaskMod, ScoreMod, mask_mod, score_mod
 
-__all__ = ["BlockMap", "CacheInfo", "CompiledKernel", "MaskMod", "MaskTraceError", "MaskcError", "ScoreMod",
-           "__version__", "block_map", "cache_info", "compile", "compiled_attention", "mask_mod", "masks",
-           "plot", "score_mod", "scores"]
+__all__ = ["BlockMap", "BlockMask", "CacheInfo", "CompiledKernel", "MaskMod", "MaskTraceError", "MaskcError",
+           "ScoreMod", "__version__", "and_masks", "block_map", "cache_info", "compile", "compiled_attention",
+           "create_block_mask", "create_mask", "flex_attention", "mask_mod", "masks", "noop_mask", "or_masks", "plot",
+           "score_mod", "scores"]

@@ -9,9 +9,10 @@ import maskc
 
 REPO = Path(__file__).resolve().parent.parent
 
-PUBLIC = ["BlockMap", "CacheInfo", "CompiledKernel", "MaskMod", "MaskTraceError", "MaskcError", "ScoreMod",
-          "__version__", "block_map", "cache_info", "compile", "compiled_attention", "mask_mod", "masks",
-          "plot", "score_mod", "scores"]
+PUBLIC = ["BlockMap", "BlockMask", "CacheInfo", "CompiledKernel", "MaskMod", "MaskTraceError", "MaskcError",
+          "ScoreMod", "__version__", "and_masks", "block_map", "cache_info", "compile", "compiled_attention",
+          "create_block_mask", "create_mask", "flex_attention", "mask_mod", "masks", "noop_mask", "or_masks", "plot",
+          "score_mod", "scores"]
 
 
 def test_public_surface_is_pinned():

@@ -15,6 +15,7 @@ import torch
 from maskc.analysis.classify import EMPTY, FULL, PARTIAL
 from maskc.analysis.pieces import Pieces
 from maskc.analysis.rows import HostPieces
+from maskc.trace.mods import as_mask_mod
 
 _TABLES = ("_buffer", "full_offsets", "full_runs", "partial_offsets", "partial_runs")
 _GLYPHS = {EMPTY: "·", PARTIAL: "░", FULL: "█"}
@@ -105,18 +106,62 @@ class BlockMap:
         return BlockMap(pieces, q_len=self.kv_len, kv_len=self.q_len, block_size=self.block_size[::-1],
                         mask_name=f"{self.mask_name}ᵀ")
 
-    def to_flex_block_mask(self, B: int | None = None, H: int | None = None):
-        """The same tiles as a torch BlockMask for flex_attention (B, H broadcast to the given sizes)."""
+    def to_flex_block_mask(self, B: int | None = None, H: int | None = None, *, separate_full_blocks: bool = True):
+        """The same tiles as a torch BlockMask for flex_attention (B, H broadcast to the given sizes).
+        Without separate_full_blocks every kept tile is listed as one the mask runs on, as
+        torch's create_block_mask(separate_full_blocks=False) lists them."""
         from torch.nn.attention.flex_attention import BlockMask
 
         dense = self.to_dense()
         if B is not None or H is not None:
             dense = dense.expand(B or self.B, H or self.H, self.n_q, self.n_kv)
-        kv_num, kv_idx = _flex_lists(dense == PARTIAL)
-        full_num, full_idx = _flex_lists(dense == FULL)
+        if separate_full_blocks:
+            kv_num, kv_idx = _flex_lists(dense == PARTIAL)
+            full_num, full_idx = _flex_lists(dense == FULL)
+        else:
+            (kv_num, kv_idx), full_num, full_idx = _flex_lists(dense != EMPTY), None, None
         mask_mod = self.mask_mod.fn if hasattr(self.mask_mod, "fn") else self.mask_mod
         return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=self.block_size,
                                         mask_mod=mask_mod, seq_lengths=(self.q_len, self.kv_len))
+
+    @classmethod
+    def from_flex_block_mask(cls, block_mask) -> "BlockMap":
+        """The tiles of a torch BlockMask as a BlockMap that compiled_attention runs; O(tiles) work.
+
+        The tiles are taken as the BlockMask lists them, which is how flex_attention reads them:
+        a tile it leaves out is skipped, a full tile runs without the mask, a partial one with
+        it. Its mask_mod is traced by maskc and recorded as what the map was built from, so
+        compiled_attention accepts the map with that mask (or runs it when given no mask_mod).
+
+        >>> from torch.nn.attention.flex_attention import create_block_mask
+        >>> bm = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 1024, 1024, device="cpu")
+        >>> m = maskc.BlockMap.from_flex_block_mask(bm)
+        >>> m.num_full, m.num_partial
+        (28, 8)
+        """
+        num = block_mask.kv_num_blocks
+        if num.dim() != 3:
+            raise ValueError(f"block_mask must have kv_num_blocks of shape [B, H, q_blocks], got "
+                             f"{tuple(num.shape)}; give its tensors batch and head dimensions ([None, None])")
+        q_len, kv_len = (int(n) for n in block_mask.seq_lengths)
+        size = block_mask.BLOCK_SIZE
+        block_size = (size, size) if isinstance(size, int) else tuple(int(b) for b in size)
+        n_q, n_kv = -(-q_len // block_size[0]), -(-kv_len // block_size[1])
+        if num.shape[-1] != n_q:
+            raise ValueError(f"block_mask has {num.shape[-1]} rows of q blocks, but Q_LEN={q_len} with "
+                             f"BLOCK_SIZE={block_size} makes {n_q}; build it with create_block_mask for its lengths")
+        grid = _flex_grid(num, block_mask.kv_indices, n_kv, "kv_indices")
+        if block_mask.full_kv_num_blocks is not None:
+            full = _flex_grid(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, n_kv, "full_kv_indices")
+            if (grid & full).any():
+                raise ValueError("block_mask lists a kv block both in kv_indices and in full_kv_indices, which "
+                                 "flex_attention would attend twice; list each block once")
+            grid = torch.where(full, FULL, grid * PARTIAL)
+        grid = grid.to(torch.int8)
+        pieces = Pieces.from_grid(grid, torch.ones_like(grid, dtype=torch.bool), grid.shape[:3])
+        mask = as_mask_mod(block_mask.mask_mod)
+        return cls(pieces, q_len=q_len, kv_len=kv_len, block_size=block_size, mask_name=mask.__name__,
+                   mask_mod=mask, traced=mask.traced)
 
     def for_tiles(self, block_m: int, block_n: int) -> tuple["BlockMap", int, int]:
         """This map as a kernel with block_m × block_n tiles reads it: (map, q multiple, kv
@@ -246,3 +291,22 @@ def _flex_lists(sel):
     # stable sort puts the selected tiles first, in increasing order
     idx = torch.sort((~sel).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
     return num, idx
+
+
+def _flex_grid(num, idx, n_kv: int, name: str) -> torch.Tensor:
+    """bool [B, H, q_blocks, n_kv]: the blocks that `num` and `idx` list (FlexAttention's
+    form: row r lists idx[..., r, :num[..., r]]; entries past num are undefined)."""
+    listed = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1).long()
+    if num.numel() and int(num.max()) > idx.shape[-1]:
+        raise ValueError(f"block_mask lists up to {int(num.max())} blocks in a row but {name} holds "
+                         f"{idx.shape[-1]}; build it with BlockMask.from_kv_blocks or create_block_mask")
+    if bool((listed & ((idx < 0) | (idx >= n_kv))).any()):
+        raise ValueError(f"block_mask's {name} lists a block outside [0, {n_kv}), the kv blocks of its "
+                         f"KV_LEN and BLOCK_SIZE; build it with create_block_mask for its lengths")
+    cols = torch.where(listed, idx.long(), n_kv)  # unlisted entries land in a spare last column
+    count = torch.zeros(*idx.shape[:-1], n_kv + 1, dtype=torch.int32, device=idx.device)
+    count.scatter_add_(-1, cols, listed.to(torch.int32))
+    if bool((count[..., :n_kv] > 1).any()):
+        raise ValueError(f"block_mask's {name} lists a kv block twice in one row, which flex_attention would "
+                         f"attend twice; list each block once")
+    return count[..., :n_kv] > 0
