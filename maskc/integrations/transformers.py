@@ -1,0 +1,171 @@
+"""A Hugging Face transformers backend: attn_implementation="maskc".
+
+>>> import maskc.integrations.transformers
+>>> maskc.integrations.transformers.register()
+>>> model = AutoModelForCausalLM.from_config(config, attn_implementation="maskc")
+
+transformers describes each kind of layer's mask (causal, sliding window, chunked,
+bidirectional, with padding and packed sequences folded in) as one FlexAttention-style mask
+function, and asks the backend's mask function to turn it into whatever the attention layers
+receive. maskc's turns it into a LayerMask: that function traced once per forward pass into a
+MaskMod, at absolute positions, with padded keys dropped. Every layer of that kind runs the
+same MaskMod, so only the first traces, analyses tiles and looks up kernels; the others reuse
+its plan. Cache offsets and window sizes are captured numbers and padding, position ids and
+document ids captured tensors: runtime values of one kernel, never a recompile, and nothing
+is evaluated per (query, key) pair.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import sdpa_mask
+
+import maskc
+
+
+@dataclass(frozen=True)
+class LayerMask:
+    """What the layers of one kind receive as `attention_mask` for one forward pass.
+
+    `mask_mod` sees query i as token q_offset + i of the sequence and key j as token
+    kv_offset + j (the offsets of the KV cache), and drops padded keys.
+    """
+
+    mask_mod: maskc.MaskMod
+    q_len: int
+    kv_len: int
+
+    # With a static cache, generate() builds each step's masks ahead of the forward pass, calls
+    # contiguous() on them and hands them to the model, whose mask preparation passes on a mask
+    # that is not 2-d (a padding mask) to the mask function: layer_mask() returns it as it is.
+    ndim = 4
+
+    def contiguous(self) -> "LayerMask":
+        return self
+
+
+def register(name: str = "maskc") -> str:
+    """Register maskc with transformers under `name`: its attention function with
+    AttentionInterface and its mask function with AttentionMaskInterface. Returns `name`.
+
+    >>> maskc.integrations.transformers.register()
+    'maskc'
+    >>> model = AutoModelForCausalLM.from_config(config, attn_implementation="maskc")
+    """
+    # Older releases call mask functions with cache_position instead: checked on transformers'
+    # own SDPA mask function, which takes what every mask function is given
+    if "q_offset" not in inspect.signature(sdpa_mask).parameters:
+        raise ImportError(f"maskc's transformers backend needs mask functions called with q_length and q_offset "
+                          f"(transformers 5.7 or later), got transformers {transformers.__version__}; upgrade it: "
+                          f"pip install -U 'maskc[hf]'")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, layer_mask)
+    return name
+
+
+def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, *,
+               mask_function, attention_mask: torch.Tensor | LayerMask | None = None, **kwargs) -> LayerMask:
+    """transformers' mask interface for maskc: `mask_function` with the cache offsets and the
+    2-d padding mask `attention_mask` (True: a real token) folded in, as one LayerMask.
+
+    The other keywords transformers passes (config, dtype, device, local_size, the skip flags of
+    the SDPA path) change nothing here: the mask function already holds the pattern.
+    """
+    if isinstance(attention_mask, LayerMask):  # built ahead by generate() for this step
+        return attention_mask
+    # a static cache gives the offset as a 0-d tensor (so that compiled graphs need not read it);
+    # the trace needs a Python number, which becomes a kernel argument
+    q_offset = int(q_offset)
+    padding = None
+    if attention_mask is not None:
+        # keys past the end of the mask (a static cache's empty slots) are padding too
+        padding = F.pad(attention_mask, (0, max(0, kv_offset + kv_length - attention_mask.shape[-1])))
+        if bool(padding.all()):  # no padded key: no captured tensor for the tiles to read
+            padding = None
+    return LayerMask(_absolute(mask_function, padding, q_offset, kv_offset), q_length, kv_length)
+
+
+def _absolute(mask_function, padding, q_offset: int, kv_offset: int) -> maskc.MaskMod:
+    if padding is None:
+        def transformers_mask(b, h, q_idx, kv_idx):
+            return mask_function(b, h, q_idx + q_offset, kv_idx + kv_offset)
+    else:
+        def transformers_mask(b, h, q_idx, kv_idx):
+            kv = kv_idx + kv_offset
+            return mask_function(b, h, q_idx + q_offset, kv) & padding[b, kv]
+    return maskc.MaskMod(transformers_mask)
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                      softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface for maskc: query [B, Hq, Lq, D], key and value
+    [B, Hkv, Lkv, D] (grouped-query attention when Hkv < Hq) with the LayerMask of layer_mask();
+    returns (output [B, Lq, Hq, Dv], None): maskc never forms the attention weights.
+    `softcap` (Gemma 2's attn_logit_softcapping) becomes a score_mod. `sliding_window` is
+    already in the LayerMask (it is read only where a layer gets no mask); the flash-attention
+    keywords (cu_seq_lens, position_ids) are ignored.
+    """
+    if dropout:
+        raise ValueError(f"maskc attention has no dropout, got dropout={dropout} (the model's attention_dropout "
+                         f"while training); set config.attention_dropout = 0.0, or train with another "
+                         f"attn_implementation")
+    for name, what in (("s_aux", "attention sinks"), ("position_bias", "a position bias tensor (T5-style)"),
+                       ("cache", "a paged cache (continuous batching)")):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"maskc attention does not take {what} yet, got {name}; use "
+                                      f"attn_implementation='eager' or 'sdpa' for this model")
+    out = maskc.compiled_attention(query, key, value, mask_mod=_mask_mod(module, attention_mask, query, key, kwargs),
+                                   score_mod=_softcap(softcap) if softcap else None, scale=scaling,
+                                   enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _mask_mod(module, attention_mask, query, key, kwargs) -> maskc.MaskMod | None:
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if isinstance(attention_mask, LayerMask):
+        if (attention_mask.q_len, attention_mask.kv_len) != (q_len, kv_len):
+            raise ValueError(f"the mask was built for {attention_mask.q_len} queries and {attention_mask.kv_len} keys "
+                             f"but layer {getattr(module, 'layer_idx', '?')} has {q_len} and {kv_len}; the model "
+                             f"changes its keys after building the mask, which maskc's mask cannot follow: use "
+                             f"attn_implementation='sdpa' for it")
+        return attention_mask.mask_mod
+    if attention_mask is None:
+        # no mask was built for this call (a module used on its own, or a model that passes none)
+        is_causal = kwargs.get("is_causal")
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        return _causal_from(kv_len - q_len, kwargs.get("sliding_window")) if is_causal else None
+    got = (f"a {attention_mask.dim()}-d {attention_mask.dtype} tensor" if isinstance(attention_mask, torch.Tensor)
+           else type(attention_mask).__name__)
+    raise TypeError(f"maskc attention takes the mask that maskc's mask function builds, got {got} (a mask "
+                    f"prepared outside the model's mask functions); pass a 2-d attention_mask for padding or "
+                    f"position_ids for packed sequences, or use attn_implementation='sdpa' for custom 4-d masks")
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_from(offset: int, window: int | None) -> maskc.MaskMod:
+    """Causal with the queries at the end of the keys (query i is key offset + i), within the
+    last `window` keys when given (transformers' sliding_window); traced once per value pair."""
+    if window is None:
+        def causal_after_cache(b, h, q_idx, kv_idx):
+            return q_idx + offset >= kv_idx
+    else:
+        def causal_after_cache(b, h, q_idx, kv_idx):
+            return (q_idx + offset >= kv_idx) & (q_idx + offset - kv_idx < window)
+    return maskc.MaskMod(causal_after_cache)
+
+
+@functools.lru_cache(maxsize=16)
+def _softcap(cap: float) -> maskc.ScoreMod:
+    """One ScoreMod per cap, so that each layer's call does not trace it again."""
+    return maskc.scores.softcap(cap)
+
+
+__all__ = ["LayerMask", "attention_forward", "layer_mask", "register"]

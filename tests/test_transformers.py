@@ -1,0 +1,171 @@
+"""The Hugging Face transformers backend: tiny randomly initialised models give the logits,
+gradients and generated tokens of transformers' own attention with attn_implementation="maskc".
+
+Models are built from configs (no download), two layers, hidden 64, head dim 16, float32, on
+the CPU through Triton's interpreter; weights are drawn wider than transformers' default so
+that attention is far from uniform and a wrong mask shows in the logits.
+"""
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import maskc.integrations.transformers as maskc_hf  # noqa: E402  (after the importorskip)
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, initializer_range=0.1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    assert maskc_hf.register() == "maskc"
+
+
+def _pair(config, reference="sdpa"):
+    """The same weights under maskc and under `reference`."""
+    torch.manual_seed(0)
+    # each model gets its own config: from_config records the implementation on the config it
+    # is given, so two models sharing one would both run the last one asked for
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="maskc")
+    theirs = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=reference)
+    theirs.load_state_dict(ours.state_dict())
+    assert ours.config._attn_implementation == "maskc"
+    return ours.eval(), theirs.eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _pair(transformers.LlamaConfig(**TINY))
+
+
+def _tokens(batch, length, seed=1):
+    return torch.randint(0, TINY["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model, **inputs):
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def _close(ours, theirs):
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_logits_match_sdpa(llama):
+    ids = _tokens(2, 24)
+    _close(*(_logits(m, input_ids=ids) for m in llama))
+
+
+def test_left_padding_matches_sdpa(llama):
+    ids = _tokens(2, 24)
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    ours, theirs = (_logits(m, input_ids=ids, attention_mask=mask) for m in llama)
+    kept = mask.bool()  # padded queries attend to nothing: their logits are not defined
+    _close(ours[kept], theirs[kept])
+
+
+def test_packed_sequences_match_sdpa(llama):
+    # position_ids restarting inside a row: transformers finds three documents in row 0, two in row 1
+    ids = _tokens(2, 24)
+    positions = torch.cat([torch.arange(9), torch.arange(10), torch.arange(5)]).repeat(2, 1)
+    positions[1] = torch.cat([torch.arange(15), torch.arange(9)])
+    ours, theirs = (_logits(m, input_ids=ids, position_ids=positions, use_cache=False) for m in llama)
+    _close(ours, theirs)
+    unpacked = _logits(llama[1], input_ids=ids, use_cache=False)
+    assert not torch.allclose(theirs[:, 9:], unpacked[:, 9:], atol=1e-3), "the documents did not change the logits"
+
+
+def test_gradients_match_sdpa(llama):
+    ids = _tokens(2, 20)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding: padded keys are dropped in the backward pass too
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = []
+    for model in llama:
+        model.train()
+        model.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        model.eval()
+    ours, theirs = grads
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_generate_matches_sdpa(llama):
+    # left padding, then one query a step against the cache: the mask is offset by the cache length
+    ids = _tokens(2, 12)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ours, theirs = (m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+                    for m in llama)
+    assert torch.equal(ours, theirs)
+
+
+def test_generate_with_a_static_cache_matches_sdpa(llama):
+    # a static cache: generate() builds each step's masks ahead, the query offset comes as a
+    # tensor, and the keys are the whole cache, its empty slots included
+    ids = _tokens(2, 10, seed=2)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ours, theirs = (m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                               cache_implementation="static") for m in llama)
+    assert torch.equal(ours, theirs)
+
+
+def test_sliding_window_matches_sdpa():
+    # Mistral's sliding_window for every layer; generating past the window exercises the
+    # sliding cache, whose keys start at an offset
+    config = transformers.MistralConfig(**TINY, sliding_window=5)
+    ours, theirs = _pair(config)
+    ids = _tokens(2, 16)
+    _close(_logits(ours, input_ids=ids), _logits(theirs, input_ids=ids))
+    short = ids[:, :8]
+    generated = [m.generate(input_ids=short, attention_mask=torch.ones_like(short), max_new_tokens=3,
+                            do_sample=False) for m in (ours, theirs)]
+    assert torch.equal(*generated)
+
+
+def test_gemma2_softcap_and_sliding_layers_match_eager():
+    # per-layer layer_types, logit softcapping (a score_mod), query_pre_attn_scalar scaling;
+    # Gemma 2 has no SDPA path (SDPA cannot softcap), so eager is the reference
+    config = transformers.Gemma2Config(**TINY, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                                       attn_logit_softcapping=2.0, final_logit_softcapping=None,
+                                       query_pre_attn_scalar=16)
+    ours, theirs = _pair(config, reference="eager")
+    ids = _tokens(2, 16)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ours, theirs = (_logits(m, input_ids=ids, attention_mask=mask) for m in (ours, theirs))
+    _close(ours[mask.bool()], theirs[mask.bool()])
+
+
+def test_no_mask_is_causal_after_the_cache():
+    # a layer called without a mask (a module on its own): queries are the last Lq of the keys,
+    # within the layer's sliding_window when it has one
+    q, k, v = (torch.randn(1, 2, n, 16, generator=torch.Generator().manual_seed(n)) for n in (3, 9, 9))
+    distance = torch.arange(3)[:, None] + 6 - torch.arange(9)[None, :]
+    for window, allowed in ((None, distance >= 0), (4, (distance >= 0) & (distance < 4))):
+        out, weights = maskc_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, None,
+                                                  sliding_window=window)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        assert weights is None
+        _close(out, expected.transpose(1, 2))
+
+
+def test_refusals_say_why(llama):
+    config = transformers.LlamaConfig(**{**TINY, "attention_dropout": 0.1})
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="maskc").train()
+    ids = _tokens(1, 8)
+    with pytest.raises(ValueError, match=r"no dropout, got dropout=0.1 .*config.attention_dropout = 0.0"):
+        model(input_ids=ids)
+    dense = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    with pytest.raises(TypeError, match=r"got a 4-d torch.bool tensor .*2-d attention_mask"):
+        llama[0](input_ids=ids, attention_mask=dense)
