@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from maskc.analysis.blockmap import BlockMap
-from maskc.runtime import launch, plan
+from maskc.runtime import launch, ops, plan
 from maskc.runtime.autograd import AttentionFunction, NoPairs
 from maskc.runtime.dtypes import DTYPES
 from maskc.runtime.kernel import CompiledKernel, kernel_for
@@ -29,6 +29,10 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
 
     >>> out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.sliding_window(1024))
     """
+    if torch.compiler.is_compiling():
+        # Dynamo traces this branch alone: maskc's Python runs inside the operator (runtime/ops.py)
+        out, lse = ops.attention(q, k, v, mask_mod, score_mod, scale, enable_gqa, block_map)
+        return (out, lse) if return_lse else out
     plan.check_tensors(q, k, v, enable_gqa)
     mask, score = as_mask_mod(mask_mod), as_score_mod(score_mod)
     if block_map is not None:

@@ -1,0 +1,203 @@
+"""compiled_attention under torch.compile(fullgraph=True): no graph break, the eager results and
+gradients, and no recompile when the mods' captured values change (maskc/runtime/ops.py).
+
+CPU tensors run the kernels through Triton's interpreter, so shapes stay tiny; the backends are
+the eager-friendly ones ("aot_eager" runs AOTAutograd's forward and backward graphs).
+"""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+import maskc
+from maskc import masks, scores
+from maskc.runtime import ops
+
+L, DIM, HEADS = 48, 32, 2
+DOC_IDS = torch.tensor([0] * 20 + [1] * 17 + [2] * 11)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache_dir(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MASKC_CACHE_DIR", str(tmp_path_factory.mktemp("maskc_cache")))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class SelfAttention(torch.nn.Module):
+    """A projection to q, k, v (non-contiguous views, as models make them) and maskc."""
+
+    def __init__(self, mask_mod=None, score_mod=None):
+        super().__init__()
+        self.qkv = torch.nn.Linear(DIM, 3 * DIM)
+        self.mask_mod, self.score_mod = mask_mod, score_mod
+
+    def forward(self, x):
+        B, n, _ = x.shape
+        q, k, v = self.qkv(x).view(B, n, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+        out = maskc.compiled_attention(q, k, v, mask_mod=self.mask_mod, score_mod=self.score_mod)
+        return out.transpose(1, 2).reshape(B, n, DIM)
+
+
+def _model(mask_mod=None, score_mod=None):
+    torch.manual_seed(0)
+    return SelfAttention(mask_mod, score_mod)
+
+
+def _x(n=L, seed=1):
+    return torch.randn(1, n, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def _step(model, x):
+    """The output, and the gradients of x and of the parameters, of one training step."""
+    model.zero_grad()
+    x = x.clone().requires_grad_()
+    out = model(x)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach(), [x.grad] + [p.grad.clone() for p in model.parameters()]
+
+
+def _assert_same(got, expected):
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def _no_graph_breaks():
+    return sum(counters["graph_break"].values()) == 0
+
+
+CASES = {
+    "causal": lambda: (masks.causal, None),
+    "document": lambda: (masks.document(DOC_IDS, causal=True), None),
+    "score_mod": lambda: (masks.sliding_window(9), scores.softcap(5.0)),
+}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "eager"])
+@pytest.mark.parametrize("case", CASES)
+def test_fullgraph_trains_like_eager(case, backend):
+    model = _model(*CASES[case]())
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    out, grads = _step(compiled, _x())
+    expected, expected_grads = _step(model, _x())
+    _assert_same(out, expected)
+    for got, want in zip(grads, expected_grads):
+        _assert_same(got, want)
+    assert counter.frame_count == 1 and _no_graph_breaks()
+
+
+def test_explain_finds_one_graph_and_no_break():
+    model = _model(masks.document(DOC_IDS), scores.softcap(5.0))
+    explained = torch._dynamo.explain(model)(_x())
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    assert "maskc.attention" in str(explained.graphs[0].graph)
+
+
+def test_captured_values_change_without_recompile():
+    ids, window, cap = DOC_IDS, 40, 5.0
+
+    def doc_window(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+
+    def capped(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    model = _model(maskc.mask_mod(doc_window), maskc.score_mod(capped))
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    _step(compiled, _x())
+    kernels = maskc.cache_info().misses
+    for ids, window, cap in ((torch.tensor([0] * 8 + [1] * 40), 40, 5.0),  # another ids tensor
+                             (torch.tensor([0] * 8 + [1] * 40), 6, 2.5)):  # another window and cap
+        out, grads = _step(compiled, _x())
+        expected, expected_grads = _step(model, _x())
+        _assert_same(out, expected)
+        for got, want in zip(grads, expected_grads):
+            _assert_same(got, want)
+    assert counter.frame_count == 1 and _no_graph_breaks()
+    assert maskc.cache_info().misses == kernels, "a captured value changed the kernel"
+
+
+def test_a_new_length_recompiles_once():
+    # the first new length makes the graph's lengths symbolic (Dynamo's automatic dynamic
+    # shapes); later lengths reuse it. maskc plans each length when the operator runs.
+    model = _model(masks.causal)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    frames = []
+    with torch.no_grad():
+        for n in (32, 48, 40):
+            _assert_same(compiled(_x(n)), model(_x(n)))
+            frames.append(counter.frame_count)
+    assert frames == [1, 2, 2] and _no_graph_breaks()
+
+
+def test_lse_gqa_and_shared_kv():
+    # GQA, k and v of batch 1 shared by q's batch of 2, lse returned and used by the loss
+    def attend(q, k, v):
+        out, lse = maskc.compiled_attention(q, k, v, mask_mod=masks.causal, enable_gqa=True, return_lse=True)
+        return out.square().sum() + lse.sum()
+
+    g = torch.Generator().manual_seed(2)
+    inputs = [torch.randn(shape, generator=g) for shape in ((2, 4, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16))]
+    grads = []
+    for fn in (torch.compile(attend, backend="aot_eager", fullgraph=True), attend):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        fn(*leaves).backward()
+        grads.append([t.grad for t in leaves])
+    for got, want in zip(*grads):
+        _assert_same(got, want)
+    assert _no_graph_breaks()
+
+
+def test_another_mod_gets_its_own_graph():
+    # the graph names its mods: Dynamo guards on which objects they are
+    def attend(q, mask_mod, block_map=None):
+        return maskc.compiled_attention(q, q, q, mask_mod=mask_mod, block_map=block_map)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(attend, backend=counter, fullgraph=True)
+    q = torch.randn(1, 2, 32, 16, generator=torch.Generator().manual_seed(3))
+    sliding = masks.sliding_window(4)
+    bm = maskc.block_map(sliding, 32, 32, block_size=16)
+    for mask_mod, block_map, frames in ((masks.causal, None, 1), (sliding, None, 2), (masks.causal, None, 2),
+                                        (None, bm, 3)):
+        _assert_same(compiled(q, mask_mod, block_map), attend(q, mask_mod, block_map))
+        assert counter.frame_count == frames
+
+
+def test_no_pairs():
+    q = torch.randn(1, 2, 0, 16, requires_grad=True)
+    k = torch.randn(1, 2, 8, 16, requires_grad=True)
+    compiled = torch.compile(lambda q, k: maskc.compiled_attention(q, k, k, mask_mod=masks.causal),
+                             backend="aot_eager", fullgraph=True)
+    out = compiled(q, k)
+    assert out.shape == (1, 2, 0, 16)
+    out.sum().backward()
+    assert torch.equal(k.grad, torch.zeros_like(k))
+
+
+def test_inputs_are_checked_at_compile_time():
+    q, kv = torch.randn(1, 2, 16, 16), torch.randn(1, 1, 16, 16)
+    compiled = torch.compile(lambda q, kv: maskc.compiled_attention(q, kv, kv), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="pass enable_gqa=True"):
+        compiled(q, kv)
+
+
+def test_operators_pass_opcheck():
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=torch.Generator().manual_seed(s), requires_grad=True)
+               for s in range(3))
+    call = ops.registered(masks.causal, scores.softcap(5.0), None)
+    torch.library.opcheck(torch.ops.maskc.attention.default, (q, k, v, call, None, False))
+    q, k, v = (t.detach() for t in (q, k, v))  # the backward has no backward of its own
+    out, lse, token = torch.ops.maskc.attention(q, k, v, call, None, False)
+    torch.library.opcheck(torch.ops.maskc.attention_backward.default,
+                          (q, k, v, out, lse, token, torch.randn_like(out), None))
