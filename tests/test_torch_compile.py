@@ -11,7 +11,6 @@ from torch._dynamo.utils import counters
 
 import maskc
 from maskc import masks, scores
-from maskc.runtime import ops
 
 L, DIM, HEADS = 48, 32, 2
 DOC_IDS = torch.tensor([0] * 20 + [1] * 17 + [2] * 11)
@@ -195,9 +194,21 @@ def test_inputs_are_checked_at_compile_time():
 def test_operators_pass_opcheck():
     q, k, v = (torch.randn(1, 2, 24, 16, generator=torch.Generator().manual_seed(s), requires_grad=True)
                for s in range(3))
-    call = ops.registered(masks.causal, scores.softcap(5.0), None)
-    torch.library.opcheck(torch.ops.maskc.attention.default, (q, k, v, call, None, False))
+    softcap = scores.softcap(5.0)
+    keys = (masks.causal.key, softcap.key, "")
+    torch.library.opcheck(torch.ops.maskc.attention.default, (q, k, v, *keys, None, False))
     q, k, v = (t.detach() for t in (q, k, v))  # the backward has no backward of its own
-    out, lse, token = torch.ops.maskc.attention(q, k, v, call, None, False)
+    out, lse, token = torch.ops.maskc.attention(q, k, v, *keys, None, False)
     torch.library.opcheck(torch.ops.maskc.attention_backward.default,
                           (q, k, v, out, lse, token, torch.randn_like(out), None))
+
+
+def test_a_plain_function_under_compile_is_refused_with_the_fix():
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    q = torch.randn(1, 2, 16, 16)
+    compiled = torch.compile(lambda q: maskc.compiled_attention(q, q, q, mask_mod=causal), backend="eager",
+                             fullgraph=True)
+    with pytest.raises(Exception, match=r"must be a maskc.MaskMod \(decorate the function with @maskc.mask_mod"):
+        compiled(q)

@@ -9,6 +9,8 @@ four tables are views of one int32 buffer, so moving a map to a GPU is one copy.
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
 
 import torch
 
@@ -18,6 +20,10 @@ from maskc.analysis.rows import HostPieces
 from maskc.trace.mods import as_mask_mod
 
 _TABLES = ("_buffer", "full_offsets", "full_runs", "partial_offsets", "partial_runs")
+# Every map's key, for code that can pass only strings (maskc's torch operators): a map is found
+# by its key while it lives.
+_BY_KEY: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_SERIAL = itertools.count()
 _GLYPHS = {EMPTY: "·", PARTIAL: "░", FULL: "█"}
 _PICTURE_MAX = 64
 
@@ -49,6 +55,16 @@ class BlockMap:
         self._buffer = buffer if device is None else buffer.to(device)
         self._set_views()
         self._coarse: dict = {}  # coarsened(q_factor, kv_factor) of this map, built once
+        self._register()
+
+    def _register(self) -> None:
+        self.key = f"{self.mask_name}#{next(_SERIAL)}"
+        _BY_KEY[self.key] = self
+
+    @staticmethod
+    def of_key(key: str) -> "BlockMap | None":
+        """The map whose `key` this is, or None when it no longer lives."""
+        return _BY_KEY.get(key)
 
     def _set_views(self):
         """The four run tables as views of the one buffer: [full offsets | partial offsets |
@@ -218,6 +234,7 @@ class BlockMap:
         # derived maps, if cached, live on the old device: the new one builds its own
         new.__dict__.update({k: v for k, v in self.__dict__.items() if k not in _TABLES and k != "transposed"})
         new._coarse = {}
+        new._register()
         new._buffer = self._buffer.to(device)
         new._set_views()
         return new

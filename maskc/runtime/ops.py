@@ -2,10 +2,12 @@
 
 Dynamo must not trace maskc's Python (sympy tracing, plans, block maps, launches), and
 `fullgraph=True` allows no graph break, so under Dynamo compiled_attention calls `attention()`
-here, which Dynamo traces: one call that Dynamo runs for real at trace time
-(`torch.compiler.assume_constant_result`) names the call's (mask_mod, score_mod, block_map)
-in a process registry by a string key, and the graph records one operator,
-`maskc::attention(q, k, v, call, scale, enable_gqa) -> (out, lse, token)`.
+here, which Dynamo traces: it reads the keys of the call's MaskMod, ScoreMod and BlockMap
+(strings each got when it was built; maskc finds the object by its key while it lives), and
+the graph records one operator,
+`maskc::attention(q, k, v, mask_key, score_key, map_key, scale, enable_gqa) -> (out, lse, token)`.
+(An earlier version named the call through `torch.compiler.assume_constant_result`, which
+torch 2.11's Dynamo refuses for arguments that are not constants.)
 
 The operators are `torch.library.custom_op`s, opaque to the compiler: at run time their
 implementations do what the eager call does (the mods' traces, re-checked by their guards; the
@@ -29,12 +31,9 @@ import torch
 from maskc.analysis.blockmap import BlockMap
 from maskc.runtime import launch, plan
 from maskc.runtime.dtypes import accumulator
-from maskc.trace.mods import as_mask_mod, as_score_mod
+from maskc.trace.mods import MaskMod, ScoreMod, mod_of_key
 
 _lock = threading.Lock()
-# key -> (mask, score, block_map), each held so that the ids in _KEYS stay theirs
-_CALLS: dict[str, tuple] = {}
-_KEYS: dict[tuple[int, int, int], str] = {}
 
 # Tokens: a serial number per plan, while the plan lives, so that a repeated call returns the
 # same token (torch.library.opcheck compares repeated runs); the plans of the most recent tokens
@@ -47,39 +46,41 @@ _counter = itertools.count()
 
 
 def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map):
-    """(out, lse) of compiled_attention through the maskc operators; what Dynamo traces."""
-    call = registered(mask_mod, score_mod, block_map)
-    out, lse, _ = torch.ops.maskc.attention(q, k, v, call, None if scale is None else float(scale), enable_gqa)
-    return out, lse
+    """(out, lse) of compiled_attention through the maskc operators; what Dynamo traces.
 
-
-@torch.compiler.assume_constant_result
-def registered(mask_mod, score_mod, block_map) -> str:
-    """The registry key of this (mask_mod, score_mod, block_map): Dynamo runs this at trace time on
-    the real objects and guards on their identity, so another mod or map compiles its own graph.
-    Its values are not guarded: the operator reads them when it runs."""
-    mask, score = as_mask_mod(mask_mod), as_score_mod(score_mod)
+    The mods and the map are named by their keys (strings, made when each was built), which
+    Dynamo reads as constants and guards: another mod or map compiles its own graph, while
+    their values are read by the operator when it runs. Plain functions have no key until
+    maskc has traced them, which Dynamo must not trace: under torch.compile they must be
+    MaskMods and ScoreMods (maskc.mask_mod, maskc.score_mod, maskc.masks, maskc.scores)."""
     if block_map is not None:
         if not isinstance(block_map, BlockMap):
             raise TypeError(f"block_map must be a maskc.BlockMap from maskc.block_map(), got "
                             f"{type(block_map).__name__}")
-        if mask is None:
-            mask = block_map.mask_mod
-    ids = (id(mask), id(score), id(block_map))
-    with _lock:
-        key = _KEYS.get(ids)
-        if key is None:
-            names = [m.__name__ for m in (mask, score) if m is not None] or ["keep_all"]
-            key = _KEYS[ids] = f"{'+'.join(names)}#{len(_CALLS)}"
-            _CALLS[key] = (mask, score, block_map)
-    return key
+        if mask_mod is None:
+            mask_mod = block_map.mask_mod
+    keys = (_key(mask_mod, MaskMod, "mask_mod"), _key(score_mod, ScoreMod, "score_mod"),
+            block_map.key if block_map is not None else "")
+    out, lse, _ = torch.ops.maskc.attention(q, k, v, *keys, None if scale is None else float(scale), enable_gqa)
+    return out, lse
+
+
+def _key(mod, kind, what: str) -> str:
+    if mod is None:
+        return ""
+    if not isinstance(mod, kind):
+        raise TypeError(f"under torch.compile, {what} must be a maskc.{kind.__name__} (decorate the function with "
+                        f"@maskc.{what}, or wrap it once outside the compiled code: maskc.{what}(fn)), got "
+                        f"{type(mod).__name__}")
+    return mod.key
 
 
 # -- forward ---------------------------------------------------------------------------------
 @torch.library.custom_op("maskc::attention", mutates_args=())
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: str, scale: float | None,
-             enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    mask, score, block_map = _registered_call(call)
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, score_key: str, map_key: str,
+             scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mask, score, block_map = (_found(key, find) for key, find in ((mask_key, mod_of_key), (score_key, mod_of_key),
+                                                                   (map_key, BlockMap.of_key)))
     B, Hq, Lq, _ = q.shape
     if k.shape[0] != B:
         k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
@@ -95,7 +96,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: str, scale
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, call, scale, enable_gqa):
+def _forward_fake(q, k, v, mask_key, score_key, map_key, scale, enable_gqa):
     # runs at trace time: wrong inputs fail there, with the eager call's errors
     plan.check_tensors(q, k, v, enable_gqa)
     B, Hq, Lq, _ = q.shape
@@ -113,11 +114,14 @@ def _token(problem) -> int:
     return token
 
 
-def _registered_call(call: str) -> tuple:
-    found = _CALLS.get(call)
+def _found(key: str, find):
+    if not key:
+        return None
+    found = find(key)
     if found is None:
-        raise RuntimeError(f"maskc::attention got call '{call}', which this process never registered; the operator "
-                       f"is made by compiled_attention under torch.compile, not called directly")
+        raise RuntimeError(f"maskc::attention names '{key}', which no longer lives in this process (or never did): "
+                           f"the operator is recorded by compiled_attention under torch.compile for mods and maps "
+                           f"that the compiled code keeps alive, not called directly")
     return found
 
 
@@ -157,10 +161,10 @@ def _setup_context(ctx, inputs, output):
 def _grad(ctx, d_out, d_lse, _):
     q, k, v, out, lse, token = ctx.saved_tensors
     dq, dk, dv = torch.ops.maskc.attention_backward(q, k, v, out, lse, token, d_out, d_lse)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _forward.register_autograd(_grad, setup_context=_setup_context)
 
 
-__all__ = ["attention", "registered"]
+__all__ = ["attention"]

@@ -2,10 +2,17 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import types
 import weakref
 
 from maskc.trace.tracer import Traced, callable_name, guards_hold, trace
+
+
+# Every mod's key, for code that can pass only strings (maskc's torch operators name the mods
+# of a call by their keys): a mod is found by its key while it lives.
+_BY_KEY: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_SERIAL = itertools.count()
 
 
 class _Mod:
@@ -19,6 +26,8 @@ class _Mod:
         if name is not None or not hasattr(self, "__name__"):
             self.__name__ = self.__qualname__ = name or callable_name(self.fn)
         self._traced = trace(self, self.kind)
+        self.key = f"{self.__name__}#{next(_SERIAL)}"
+        _BY_KEY[self.key] = self
 
     @property
     def traced(self) -> Traced:
@@ -55,6 +64,11 @@ class ScoreMod(_Mod):
     """A traced score_mod(score, b, h, q_idx, kv_idx) -> score; still callable like the function."""
 
     kind = "score_mod"
+
+
+def mod_of_key(key: str):
+    """The MaskMod or ScoreMod whose `key` this is, or None when it no longer lives."""
+    return _BY_KEY.get(key)
 
 
 def mask_mod(fn=None, *, name: str | None = None):
