@@ -1,7 +1,7 @@
 """The integrations on a GPU: torch.compile (inductor), the FlexAttention drop-in and the Hugging
 Face backend, each checked against its reference on CUDA.
 
-    bash benchmarks/run_gpu.sh benchmarks/check_gpu_integrations.py
+    bash benchmarks/run_gpu.sh benchmarks/check_gpu_integrations.py [compile|flex|transformers ...]
 
 Prints one line per check and the number of failures (exit status 1 when any failed).
 """
@@ -108,7 +108,8 @@ def check_transformers():
 
 def main():
     failures = 0
-    for check in (check_compile, check_flex, check_transformers):
+    checks = {"compile": check_compile, "flex": check_flex, "transformers": check_transformers}
+    for check in [checks[name] for name in sys.argv[1:]] or checks.values():
         try:
             for line in check():
                 print(f"ok    {line}", flush=True)
