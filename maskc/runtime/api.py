@@ -34,13 +34,7 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
         out, lse = ops.attention(q, k, v, mask_mod, score_mod, scale, enable_gqa, block_map)
         return (out, lse) if return_lse else out
     plan.check_tensors(q, k, v, enable_gqa)
-    mask, score = as_mask_mod(mask_mod), as_score_mod(score_mod)
-    if block_map is not None:
-        if not isinstance(block_map, BlockMap):
-            raise TypeError(f"block_map must be a maskc.BlockMap from maskc.block_map(), got "
-                            f"{type(block_map).__name__}")
-        if mask is None:
-            mask = block_map.mask_mod
+    mask, score = plan.mask_of_call(as_mask_mod(mask_mod), block_map), as_score_mod(score_mod)
     B, Hq, Lq, D = q.shape
     if k.shape[0] != B:
         # views over q's batch: autograd sums their gradients back into k and v

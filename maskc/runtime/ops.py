@@ -53,12 +53,7 @@ def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map):
     their values are read by the operator when it runs. Plain functions have no key until
     maskc has traced them, which Dynamo must not trace: under torch.compile they must be
     MaskMods and ScoreMods (maskc.mask_mod, maskc.score_mod, maskc.masks, maskc.scores)."""
-    if block_map is not None:
-        if not isinstance(block_map, BlockMap):
-            raise TypeError(f"block_map must be a maskc.BlockMap from maskc.block_map(), got "
-                            f"{type(block_map).__name__}")
-        if mask_mod is None:
-            mask_mod = block_map.mask_mod
+    mask_mod = plan.mask_of_call(mask_mod, block_map)
     keys = (_key(mask_mod, MaskMod, "mask_mod"), _key(score_mod, ScoreMod, "score_mod"),
             block_map.key if block_map is not None else "")
     out, lse, _ = torch.ops.maskc.attention(q, k, v, *keys, None if scale is None else float(scale), enable_gqa)

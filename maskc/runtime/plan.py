@@ -160,6 +160,16 @@ def problem_of(q, k, v, mask, score, scale, traces, *, block_map: BlockMap | Non
     return Problem(mask, m, s, scale, B, Hq, Hkv, Lq, Lkv, D, Dv, q.dtype, chosen, block_map, kernel, captured)
 
 
+def mask_of_call(mask, block_map):
+    """The mask a call runs: `mask`, or the map's own where the call gives none (as FlexAttention
+    takes a BlockMask's), after checking `block_map` is a BlockMap."""
+    if block_map is None:
+        return mask
+    if not isinstance(block_map, BlockMap):
+        raise TypeError(f"block_map must be a maskc.BlockMap from maskc.block_map(), got {type(block_map).__name__}")
+    return block_map.mask_mod if mask is None else mask
+
+
 def _traces(mask, score) -> tuple:
     return (mask.traced if mask is not None else None), (score.traced if score is not None else None)
 
@@ -301,4 +311,4 @@ def _values(traced) -> str:
 
 
 __all__ = ["BLOCK_MAPS", "PLANS", "Problem", "cached_block_map", "check_head_dims", "check_tensors", "given",
-           "planned", "problem_of"]
+           "mask_of_call", "planned", "problem_of"]
