@@ -9,10 +9,11 @@ from maskc.errors import MaskcError, MaskTraceError
 from maskc.integrations.flex import (BlockMask, and_masks, create_block_mask, create_mask, flex_attention, noop_mask,
                                      or_masks)
 from maskc.plot import plot
-from maskc.runtime import CacheInfo, CompiledKernel, cache_info, compile, compiled_attention
+from maskc.runtime import (CacheInfo, CompiledKernel, PagedKVCache, cache_info, compile, compiled_attention,
+                           paged_attention)
 from maskc.trace import MaskMod, ScoreMod, mask_mod, score_mod
 
 __all__ = ["BlockMap", "BlockMask", "CacheInfo", "CompiledKernel", "MaskMod", "MaskTraceError", "MaskcError",
-           "ScoreMod", "__version__", "and_masks", "block_map", "cache_info", "compile", "compiled_attention",
-           "create_block_mask", "create_mask", "flex_attention", "mask_mod", "masks", "noop_mask", "or_masks", "plot",
-           "score_mod", "scores"]
+           "PagedKVCache", "ScoreMod", "__version__", "and_masks", "block_map", "cache_info", "compile",
+           "compiled_attention", "create_block_mask", "create_mask", "flex_attention", "mask_mod", "masks", "noop_mask",
+           "or_masks", "paged_attention", "plot", "score_mod", "scores"]

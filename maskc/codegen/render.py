@@ -19,9 +19,10 @@ from maskc.codegen.source import KernelSource
 from maskc.errors import MaskcError
 from maskc.trace.symbols import INTEGER_OPS, SCORE
 
-TEMPLATES = {"fwd": "attention_fwd.py.jinja", "bwd": "attention_bwd.py.jinja"}
+TEMPLATES = {"fwd": "attention_fwd.py.jinja", "bwd": "attention_bwd.py.jinja", "dec": "attention_decode.py.jinja"}
 # The @triton.jit functions each kind of file defines.
-KERNEL_NAMES = {"fwd": ("attention_fwd",), "bwd": ("attention_bwd_dq", "attention_bwd_dkdv", "attention_bwd_delta")}
+KERNEL_NAMES = {"fwd": ("attention_fwd",), "bwd": ("attention_bwd_dq", "attention_bwd_dkdv", "attention_bwd_delta"),
+                "dec": ("attention_decode", "attention_combine")}
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,7 +18,7 @@ from maskc.trace import dag
 from maskc.trace.symbols import is_load, param_symbol
 from maskc.trace.tracer import Traced
 
-KINDS = ("fwd", "bwd")
+KINDS = ("fwd", "bwd", "dec")  # forward, backward, decoding (split-KV)
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class KernelSource:
     """A kernel file's identity. Expressions are canonical (their signatures stand for them);
     captured values are not in it."""
 
-    kind: str  # "fwd" or "bwd"
+    kind: str  # one of KINDS
     mask_signature: str  # "" when there is no mask
     score_signature: str  # "" when there is no score_mod
     tensor_ranks: tuple[int, ...]  # captured tensors, the mask's first

@@ -2,11 +2,13 @@
 
 api (public functions) → autograd → launch (LaunchPlans) → plan (validation, tiles, the call's
 block map) → kernel (CompiledKernel) → cache/loader; tiles owns tile sizes, settings
-(maskc/settings.py) every environment knob.
+(maskc/settings.py) every environment knob. paged holds PagedKVCache, which appends to a paged
+KV cache with its own kernels (_cache_kernels.py).
 """
-from maskc.runtime.api import compile, compiled_attention
+from maskc.runtime.api import compile, compiled_attention, paged_attention
 from maskc.runtime.cache import KERNELS, CacheInfo
 from maskc.runtime.kernel import CompiledKernel
+from maskc.runtime.paged import PagedKVCache
 from maskc.settings import cache_dir
 
 
@@ -15,4 +17,5 @@ def cache_info() -> CacheInfo:
     return KERNELS.info()
 
 
-__all__ = ["CacheInfo", "CompiledKernel", "cache_dir", "cache_info", "compile", "compiled_attention"]
+__all__ = ["CacheInfo", "CompiledKernel", "PagedKVCache", "cache_dir", "cache_info", "compile",
+           "compiled_attention", "paged_attention"]

@@ -41,7 +41,7 @@ _lock = threading.Lock()
 _PENDING = 1024
 _NO_PAIRS = -1  # the token of a forward with no (q, kv) pair: its backward gives zeros
 _serials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_forwards = plan._Slots(_PENDING)
+_forwards = plan.Slots(_PENDING)
 _counter = itertools.count()
 
 

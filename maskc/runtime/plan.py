@@ -29,7 +29,7 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 _SLOTS = 64
 
 
-class _Slots:
+class Slots:
     """A bounded map that drops its least recently used entry first, shared by threads: the
     caches of plans and block maps."""
 
@@ -65,8 +65,8 @@ class _Slots:
 
 
 # The two caches of the runtime's plans (the kernels' is maskc/runtime/cache.py's KERNELS).
-PLANS = _Slots(_SLOTS)
-BLOCK_MAPS = _Slots(_SLOTS)
+PLANS = Slots(_SLOTS)
+BLOCK_MAPS = Slots(_SLOTS)
 
 
 @dataclass(eq=False)
@@ -112,8 +112,8 @@ class Problem:
 def planned(q, k, v, mask, score, scale, time_forward) -> Problem:
     """The Problem of a call without a block map, remembered by everything it depends on.
     `time_forward(q, k, v, problem)` times a candidate where autotuning is on."""
-    traces = _traces(mask, score)
-    _check_captured(traces, q.device)
+    traces = traces_of(mask, score)
+    check_captured(traces, q.device)
     # Keyed by the traces themselves: a mod re-traced (a global it read changed) gives a new
     # Traced, so a new plan with the new values. A cached plan holds its traces, so their ids
     # are not reused while the key lives.
@@ -135,9 +135,9 @@ def planned(q, k, v, mask, score, scale, time_forward) -> Problem:
 
 def given(q, k, v, mask, score, scale, block_map: BlockMap) -> Problem:
     """The Problem of a call given a block map, after checking the map was built for it."""
-    traces = _traces(mask, score)
-    _check_captured(traces, q.device)
-    _check_block_map(block_map, mask, traces[0], q, k)
+    traces = traces_of(mask, score)
+    check_captured(traces, q.device)
+    check_block_map(block_map, mask, traces[0], q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
     return problem_of(q, k, v, mask, score, scale, traces, block_map=block_map)
 
 
@@ -170,7 +170,7 @@ def mask_of_call(mask, block_map):
     return block_map.mask_mod if mask is None else mask
 
 
-def _traces(mask, score) -> tuple:
+def traces_of(mask, score) -> tuple:
     return (mask.traced if mask is not None else None), (score.traced if score is not None else None)
 
 
@@ -253,7 +253,7 @@ def check_head_dims(head_dim: int, head_dim_v: int, names=("q/k head dim", "v he
                              f"pad or split the heads")
 
 
-def _check_captured(traces, device):
+def check_captured(traces, device):
     for t in (t for t in traces if t is not None):
         for i, tensor in enumerate(t.tensors):
             if tensor.device != device:
@@ -265,11 +265,10 @@ def _check_captured(traces, device):
                                           f"learnable bias outside maskc")
 
 
-def _check_block_map(bm: BlockMap, mask, traced, q, k) -> None:
+def check_block_map(bm: BlockMap, mask, traced, B: int, Hq: int, Lq: int, Lkv: int, device) -> None:
     """Refuse a map built for another mask, other parameter values, other captured tensors or
-    other shapes: its FULL and EMPTY tiles would keep or skip pairs this call's mask does not."""
-    B, Hq, Lq, _ = q.shape
-    Lkv = k.shape[2]
+    other shapes (Lq × Lkv over the positions the mask sees): its FULL and EMPTY tiles would
+    keep or skip pairs this call's mask does not."""
     if bm.traced is None:
         raise ValueError(f"block_map '{bm.mask_name}' records no mask it was built from, so it cannot be checked "
                          f"against this call; build it with maskc.block_map(mask_mod, {Lq}, {Lkv})")
@@ -284,9 +283,9 @@ def _check_block_map(bm: BlockMap, mask, traced, q, k) -> None:
                          f"q_len={Lq}, kv_len={Lkv}; build it with maskc.block_map(mask, {Lq}, {Lkv})")
     tiles.check_block_size(bm.block_size, "block_map tile")
     bm.kernel_rows(B, Hq)
-    if bm.device != q.device:
-        raise ValueError(f"block_map lives on {bm.device} but q is on {q.device}; move it with "
-                         f"block_map.to('{q.device}')")
+    if bm.device != device:
+        raise ValueError(f"block_map lives on {bm.device} but q is on {device}; move it with "
+                         f"block_map.to('{device}')")
 
 
 def _built_for_another(bm: BlockMap, mask, traced) -> str | None:
@@ -310,5 +309,5 @@ def _values(traced) -> str:
     return ", ".join(f"{p.origin}={p.value}" for p in traced.params)
 
 
-__all__ = ["BLOCK_MAPS", "PLANS", "Problem", "cached_block_map", "check_head_dims", "check_tensors", "given",
-           "mask_of_call", "planned", "problem_of"]
+__all__ = ["BLOCK_MAPS", "PLANS", "Problem", "Slots", "cached_block_map", "check_block_map", "check_captured",
+           "check_head_dims", "check_tensors", "given", "mask_of_call", "planned", "problem_of", "traces_of"]

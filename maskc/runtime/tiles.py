@@ -33,12 +33,12 @@ _overrides: dict = {}
 
 @contextlib.contextmanager
 def use_config(forward: TileConfig | None = None, backward: BackwardConfig | None = None,
-               descriptors: bool | None = None):
-    """Force tile configs, or turn tensor descriptors off, inside the block (benchmarks/tune.py
-    sweeps with it)."""
+               descriptors: bool | None = None, decode: TileConfig | None = None, splits: int | None = None):
+    """Force tile configs, the decoding kernel's kv splits, or turn tensor descriptors off,
+    inside the block (benchmarks/tune.py sweeps with it; tests force splits)."""
     saved = dict(_overrides)
-    _overrides.update({k: v for k, v in (("fwd", forward), ("bwd", backward), ("descriptors", descriptors))
-                       if v is not None})
+    _overrides.update({k: v for k, v in (("fwd", forward), ("bwd", backward), ("descriptors", descriptors),
+                                         ("dec", decode), ("splits", splits)) if v is not None})
     try:
         yield
     finally:
@@ -100,6 +100,29 @@ def backward_config(head_dim: int, device_type: str, element_size: int = 2) -> B
         # tiles for dK/dV, 8 warps, beat 64×64 with 4 warps by a quarter on no mask and causal.
         return BackwardConfig(TileConfig(128, 64, 8, 3), TileConfig(64, 128, 8, 3))
     return BackwardConfig(TileConfig(64, 32, 4, 2), TileConfig(32, 64, 4, 2))
+
+
+def decode_config(head_dim: int, device_type: str, rows: int) -> TileConfig:
+    """The decoding kernel's tiles for `rows` packed query rows (query length × GQA group):
+    block_m covers them up to 64, block_n is the kv tile; the block map's q tile is 64 on
+    CUDA (decode_map_block)."""
+    if "dec" in _overrides:
+        return _overrides["dec"]
+    block_m = min(64, max(MIN_TILE, 1 << (rows - 1).bit_length()))
+    if device_type != "cuda":
+        return TileConfig(block_m, 32, 4, 1)
+    return TileConfig(block_m, 64 if head_dim <= 128 else 32, 4, 3)
+
+
+def decode_map_block(device_type: str) -> int:
+    """The q tile of the block map the decoding kernel reads: its rows span one or two of
+    them. Small on the interpreter so that tests see FULL tiles near the diagonal."""
+    return 64 if device_type == "cuda" else 16
+
+
+def decode_splits() -> int | None:
+    """A forced number of kv splits (use_config), or None: the decoding runtime chooses."""
+    return _overrides.get("splits")
 
 
 @dataclass(frozen=True)

@@ -82,3 +82,31 @@ def attention_reference(q, k, v, mask_mod=None, score_mod=None, scale=None, enab
     probs = torch.exp(scores - lse.unsqueeze(-1).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0))
     probs = probs.masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0)
     return torch.einsum("bhqk,bhkd->bhqd", probs, v), lse
+
+
+def decode_reference(q, k, v, kv_lens, mask_mod=None, score_mod=None, scale=None, enable_gqa=False):
+    """(out, lse) in float64 for compiled_attention's kv_lens: the Lq queries of sequence b sit
+    at positions kv_lens[b] - Lq + i and see keys below kv_lens[b]; a query before position 0
+    gives out 0 and lse -inf."""
+    B, Hq, Lq, D = q.shape
+    Lkv = k.shape[2]
+    lens = [int(n) for n in kv_lens]
+    placed = q.new_zeros((B, Hq, Lkv, D))
+    for b, n in enumerate(lens):
+        first = max(n - Lq, 0)
+        placed[b, :, first:n] = q[b, :, Lq - (n - first):]
+    ends = torch.tensor(lens, device=q.device)
+
+    def within(b, h, q_idx, kv_idx):
+        keep = kv_idx < ends[b]
+        return keep if mask_mod is None else keep & mask_mod(b, h, q_idx, kv_idx)
+
+    out_all, lse_all = attention_reference(placed, k, v, within, score_mod, scale, enable_gqa)
+    out = out_all.new_zeros((B, Hq, Lq, v.shape[3]))
+    lse = lse_all.new_full((B, Hq, Lq), float("-inf"))
+    for b, n in enumerate(lens):
+        first = max(n - Lq, 0)
+        out[b, :, Lq - (n - first):] = out_all[b, :, first:n]
+        lse[b, :, Lq - (n - first):] = lse_all[b, :, first:n]
+    return out, lse
+

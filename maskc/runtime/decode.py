@@ -1,0 +1,240 @@
+"""Decoding: few query rows against many keys, through the split-KV kernel
+(templates/attention_decode.py.jinja), over contiguous keys or a paged cache.
+
+Flash-Decoding: the query heads of one kv head are packed into one tile's rows, and the kv
+tiles those rows keep are shared among num_splits programs whose partial results a combine
+kernel merges by LSE. The kept tiles come from the call's one block map over logical
+positions; the kernel reads each tile's verdict there, so EMPTY tiles cost a byte and FULL
+ones run no mask code. How many splits: the block map's widest kept span and the GPU's
+multiprocessors decide (`splits`), once per problem, so a step does no host work that
+depends on data and can be captured in a CUDA graph.
+
+Positions: with kv_lens, keys at positions >= kv_lens[b] are ignored and the Lq queries are
+the last Lq tokens, at kv_lens[b] - Lq + i (FlashAttention's cache_seqlens); mask_mod and
+score_mod see those positions, and the block map is built over kv_cap × kv_cap of them.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from maskc.analysis.blockmap import BlockMap
+from maskc.codegen.printer import tensor_args
+from maskc.codegen.source import merge
+from maskc.runtime import plan, tiles
+from maskc.runtime.dtypes import accumulator, dot_precision, interpreter_safe, triton_accumulator
+from maskc.runtime.kernel import CompiledKernel, kernel_for
+from maskc.runtime.launch import LaunchPlan
+from maskc.runtime.tiles import TileConfig, padded
+
+# compiled_attention decodes where no gradient is wanted and Lq · (Hq / Hkv) is at most this:
+# the packed rows fit one 64-row tile, which the prefill kernel would give a single q row.
+MAX_ROWS = 64
+MAX_SPLITS = 64
+# Programs of the decoding kernel resident per multiprocessor: at D=128 with 64-key tiles and
+# three stages, K and V take 96 KiB of shared memory per program (an H100 has 227 KiB).
+PROGRAMS_PER_SM = 2
+# What a split costs beside its tiles, in tiles: its prologue, its partial result's write and
+# the combine's read of it.
+SPLIT_COST_TILES = 2
+_LOG2E = 1.4426950408889634
+
+DECODES = plan.Slots(64)
+
+
+@dataclass(eq=False)
+class Decode:
+    """One decoding problem after validation: what the launches need besides the tensors."""
+
+    mask: object  # Traced or None
+    score: object  # Traced or None
+    scale: float
+    B: int
+    Hq: int
+    Hkv: int
+    Lq: int
+    kv_cap: int  # keys given: the contiguous length, or the cache's capacity per sequence
+    D: int
+    Dv: int
+    dtype: torch.dtype
+    config: TileConfig
+    block_map: BlockMap  # over logical positions: (kv_cap × kv_cap) with kv_lens, else (Lq × kv_cap)
+    kernel: CompiledKernel
+    captured: dict
+    tables: dict  # the map's STATES, SPAN_LO, SPAN_HI and strides for the kernel
+    splits: int
+    launches: dict = field(default_factory=dict)
+
+    @property
+    def interpret(self) -> bool:
+        return self.block_map.device.type != "cuda"
+
+    @property
+    def group(self) -> int:
+        return self.Hq // self.Hkv
+
+
+def wanted(q, k, differentiable: bool) -> bool:
+    """Whether compiled_attention takes the decoding kernel for these inputs (kv_lens aside)."""
+    return not differentiable and q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= MAX_ROWS
+
+
+def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: BlockMap | None = None) -> Decode:
+    """The Decode of a call with queries q and keys of shape kv_shape = (Hkv, kv_cap, D, Dv),
+    remembered by everything it depends on; `lens`: the call gives kv_lens."""
+    B, Hq, Lq, D = q.shape
+    Hkv, kv_cap, _, Dv = kv_shape
+    traces = plan.traces_of(mask_mod, score_mod)
+    plan.check_captured(traces, q.device)
+    map_q = kv_cap if lens else Lq
+    if block_map is not None:
+        plan.check_block_map(block_map, mask_mod, traces[0], B, Hq, map_q, kv_cap, q.device)
+    key = (*map(id, traces), id(block_map), q.dtype, q.device, q.shape, kv_shape, scale, lens,
+           tuple(x._version for t in traces if t is not None for x in t.tensors), tiles.override_key())
+    found = DECODES.get(key)
+    if found is not None:
+        return found
+    config = tiles.decode_config(D, q.device.type, Lq * (Hq // Hkv))
+    tiles.check_block_size((config.block_m, config.block_n), "decoding kernel tile")
+    m, s = traces
+    if block_map is None:
+        block_map = plan.cached_block_map(mask_mod, m, map_q, kv_cap, (tiles.decode_map_block(q.device.type),
+                                          config.block_n), B, Hq, q.device)
+    block_map.kernel_rows(B, Hq)
+    tables, widest = _tables(block_map, config.block_n, Hq // Hkv)
+    rows = B * Hkv * -(-Lq * (Hq // Hkv) // config.block_m)
+    splits = tiles.decode_splits() or choose_splits(rows, -(-widest // config.block_n), q.device)
+    _, _, tensors, params = merge(m, s)
+    captured = {}
+    for slot, t in enumerate(tensors):
+        captured.update(zip(tensor_args(slot, t.dim()), (t, *t.stride(), *t.shape)))
+    captured.update((f"p{i}", p.value) for i, p in enumerate(params))
+    found = Decode(m, s, 1.0 / math.sqrt(D) if scale is None else float(scale), B, Hq, Hkv, Lq, kv_cap, D, Dv,
+                   q.dtype, config, block_map, kernel_for("dec", m, s, q.dtype, q.device), captured, tables, splits)
+    DECODES.put(key, found)
+    return found
+
+
+def choose_splits(rows: int, tiles_per_row: int, device: torch.device) -> int:
+    """How many programs share each row's kept kv tiles: the count with the least estimated
+    time, in waves of programs over the multiprocessors times the tiles each program runs.
+    `rows` programs (b × kv head × tiles of packed rows) each keep up to `tiles_per_row` tiles,
+    the block map's widest kept span: splitting that, not the full length, is what keeps a
+    sliding window's few tiles from going to one program each."""
+    if tiles_per_row <= 1:
+        return 1
+    slots = _multiprocessors(device) * PROGRAMS_PER_SM
+    best, chosen = math.inf, 1
+    for n in range(1, min(tiles_per_row, MAX_SPLITS) + 1):
+        waves = -(-rows * n // slots)
+        cost = waves * (-(-tiles_per_row // n) + (SPLIT_COST_TILES if n > 1 else 0))
+        if cost < best:
+            best, chosen = cost, n
+    return chosen
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: a small machine, so that tests see several splits
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tables(bm: BlockMap, block_n: int, group: int) -> tuple[dict, int]:
+    """The kernel's view of the map: its verdicts at kv tiles of block_n (or a multiple), each
+    row's kept span and whether EMPTY tiles lie inside it, and the widest span in keys."""
+    m_block = bm.block_size[0]
+    kv_map, _, kv_multiple = bm.for_tiles(m_block, block_n)
+    dense = kv_map.to_dense()  # [B', H', q tiles, kv tiles]
+    kept = dense != 0
+    n_kv = dense.shape[-1]
+    any_kept = kept.any(-1)
+    lo = torch.where(any_kept, kept.int().argmax(-1), n_kv).to(torch.int32)
+    hi = torch.where(any_kept, n_kv - kept.flip(-1).int().argmax(-1), 0).to(torch.int32)
+    holes = ((hi - lo).clamp(min=0) > kept.sum(-1)).to(torch.int8)
+    widest = int((hi - lo).clamp(min=0).max()) * kv_map.block_size[1] if lo.numel() else 0
+    B, H, n_q, _ = dense.shape
+    return dict(STATES=dense.contiguous(), SPAN_LO=lo.contiguous(), SPAN_HI=hi.contiguous(), HOLES=holes.contiguous(),
+                STATE_STRIDE_B=H * n_q if B > 1 else 0, STATE_STRIDE_H=n_q if H > 1 else 0,
+                map_q_tiles=n_q, map_kv_tiles=n_kv, MAP_BLOCK_M=m_block, KV_MULTIPLE=kv_multiple,
+                MAP_HEADS=group if H > 1 else 1), widest
+
+
+# -- launches --------------------------------------------------------------------------------
+def _strides(prefix: str, letters: str = "bhnd") -> tuple[str, ...]:
+    return tuple(f"stride_{prefix}{c}" for c in letters)
+
+
+def run(problem: Decode, q, k, v, *, kv_lens=None, page_table=None, slots=None, page_size: int = 0,
+        kv_strides=None):
+    """(out, lse) of a decoding problem. k and v are [B, Hkv, kv_cap, D] tensors, or with
+    page_table the cache's pages [pages, page_size, Hkv, D]; kv_strides then give their
+    (b: page, h, n: row in page, d) strides."""
+    dtype = q.dtype
+    q, k, v = interpreter_safe(q, k, v)
+    out = torch.empty((problem.B, problem.Hq, problem.Lq, problem.Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((problem.B, problem.Hq, problem.Lq), dtype=accumulator(q.dtype), device=q.device)
+    variant = (kv_lens is not None, page_table is not None, slots is not None, page_size)
+    launch = problem.launches.get(variant) or _plans(problem, *variant)
+    values = dict(Q=q, K=k, V=v, Out=out, Lse=lse, KvLens=kv_lens, PageTable=page_table, Slots=slots)
+    values.update(zip(_strides("q", "bhmd"), q.stride()))
+    k_strides, v_strides = kv_strides if kv_strides is not None else (k.stride(), v.stride())
+    values.update(zip(_strides("k"), k_strides))
+    values.update(zip(_strides("v"), v_strides))
+    values.update(zip(_strides("o", "bhmd"), out.stride()))
+    if page_table is not None:
+        values["stride_pt"] = page_table.stride(0)
+    if problem.splits > 1:
+        rows = problem.Lq * problem.group
+        values["PartOut"] = torch.empty((problem.splits, problem.B * problem.Hkv, rows, padded(problem.Dv)),
+                                        dtype=lse.dtype, device=q.device)
+        values["PartLse"] = torch.empty((problem.splits, problem.B * problem.Hkv, rows), dtype=lse.dtype,
+                                        device=q.device)
+    decode, per_call, combine = launch
+    decode(*(values[name] for name in per_call))
+    if combine is not None:
+        combine(out, lse, values["PartOut"], values["PartLse"], *out.stride())
+    return (out if out.dtype == dtype else out.to(dtype)), lse
+
+
+def _plans(problem: Decode, lens: bool, paged: bool, slots: bool, page_size: int):
+    """The decoding launch (with its per-call parameter names) and the combine's, if any."""
+    config = problem.config
+    split = problem.splits > 1
+    per_call = ["Q", "K", "V", "Out", "Lse", *_strides("q", "bhmd"), *_strides("k"), *_strides("v"),
+                *_strides("o", "bhmd")]
+    fixed = dict(PartOut=None, PartLse=None, KvLens=None, PageTable=None, Slots=None, stride_pt=0)
+    for name, wanted_here in (("PartOut", split), ("PartLse", split), ("KvLens", lens), ("PageTable", paged),
+                              ("stride_pt", paged), ("Slots", slots)):
+        if wanted_here:
+            per_call.append(name)
+            del fixed[name]
+    # without a score_mod the kernel's exponent is in base 2: log2(e) folds into the scale
+    scale = problem.scale if problem.score is not None else problem.scale * _LOG2E
+    acc = triton_accumulator(problem.dtype)
+    fixed.update(problem.tables, **problem.captured, num_kv_heads=problem.Hkv, q_len=problem.Lq,
+                 kv_cap=problem.kv_cap, qk_scale=scale, GROUP=problem.group, HEAD_DIM=problem.D,
+                 HEAD_DIM_V=problem.Dv, D_PAD=padded(problem.D), DV_PAD=padded(problem.Dv), BLOCK_M=config.block_m,
+                 BLOCK_N=config.block_n, num_splits=problem.splits, DIRECT=not split, HAS_LENS=lens, SLOTS=slots,
+                 PAGED=paged, PAGE_SIZE=max(page_size, 1), ACC=acc, DOT_PRECISION=dot_precision(problem.dtype),
+                 NUM_STAGES=config.num_stages)
+    n_tiles = -(-problem.Lq * problem.group // config.block_m)
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    decode = LaunchPlan(problem.kernel, "attention_decode", problem.interpret,
+                        (problem.splits, problem.B * problem.Hkv, n_tiles), fixed, tuple(per_call), options)
+    combine = None
+    if split:
+        combine = LaunchPlan(
+            problem.kernel, "attention_combine", problem.interpret, (problem.B * problem.Hkv, n_tiles),
+            dict(num_kv_heads=problem.Hkv, q_len=problem.Lq, GROUP=problem.group, HEAD_DIM_V=problem.Dv,
+                 DV_PAD=padded(problem.Dv), BLOCK_M=config.block_m, num_splits=problem.splits,
+                 SPLITS_PAD=max(2, 1 << (problem.splits - 1).bit_length()), ACC=acc),
+            ("Out", "Lse", "PartOut", "PartLse", *_strides("o", "bhmd")), dict(num_warps=4))
+    problem.launches[(lens, paged, slots, page_size)] = plan_ = (decode, tuple(per_call), combine)
+    return plan_
+
+
+__all__ = ["Decode", "MAX_ROWS", "choose_splits", "problem", "run", "wanted"]
