@@ -94,4 +94,4 @@ def main(cases: int = 120) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 120))
