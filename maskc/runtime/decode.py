@@ -35,8 +35,8 @@ from maskc.runtime.tiles import TileConfig, padded
 MAX_ROWS = 64
 MAX_SPLITS = 64
 # Programs of the decoding kernel resident per multiprocessor: at D=128 with 64-key tiles and
-# three stages, K and V take 96 KiB of shared memory per program (an H100 has 227 KiB).
-PROGRAMS_PER_SM = 2
+# two stages, K and V take 64 KiB of shared memory per program (an H100 has 227 KiB).
+PROGRAMS_PER_SM = 3
 # What a split costs beside its tiles, in tiles: its prologue, its partial result's write and
 # the combine's read of it.
 SPLIT_COST_TILES = 2
