@@ -35,8 +35,8 @@ from maskc.runtime.tiles import TileConfig, padded
 MAX_ROWS = 64
 MAX_SPLITS = 64
 # Programs of the decoding kernel resident per multiprocessor: at D=128 with 64-key tiles and
-# two stages, K and V take 64 KiB of shared memory per program (an H100 has 227 KiB).
-PROGRAMS_PER_SM = 3
+# three stages, K and V take 96 KiB of shared memory per program (an H100 has 227 KiB).
+PROGRAMS_PER_SM = 2
 # What a split costs beside its tiles, in tiles: its prologue, its partial result's write and
 # the combine's read of it.
 SPLIT_COST_TILES = 2
@@ -107,6 +107,7 @@ def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: B
     tables, widest = _tables(block_map, config.block_n, Hq // Hkv)
     rows = B * Hkv * -(-Lq * (Hq // Hkv) // config.block_m)
     splits = tiles.decode_splits() or choose_splits(rows, -(-widest // config.block_n), q.device)
+    config = tiles.decode_config(D, q.device.type, Lq * (Hq // Hkv), split=splits > 1)
     _, _, tensors, params = merge(m, s)
     captured = {}
     for slot, t in enumerate(tensors):

@@ -102,18 +102,20 @@ def backward_config(head_dim: int, device_type: str, element_size: int = 2) -> B
     return BackwardConfig(TileConfig(64, 32, 4, 2), TileConfig(32, 64, 4, 2))
 
 
-def decode_config(head_dim: int, device_type: str, rows: int) -> TileConfig:
+def decode_config(head_dim: int, device_type: str, rows: int, split: bool = True) -> TileConfig:
     """The decoding kernel's tiles for `rows` packed query rows (query length × GQA group):
     block_m covers them up to 64, block_n is the kv tile; the block map's q tile is 64 on
-    CUDA (decode_map_block)."""
+    CUDA (decode_map_block). `split`: whether programs share rows (the rows alone do not fill
+    the GPU)."""
     if "dec" in _overrides:
         return _overrides["dec"]
     block_m = min(64, max(MIN_TILE, 1 << (rows - 1).bit_length()))
     if device_type != "cuda":
         return TileConfig(block_m, 32, 4, 1)
-    # Swept on an H100 (benchmarks/tune_decode.py, NOTES.md): two stages beat three by 9% at
-    # batch 64 × 4096 keys (365 vs 401 µs) and tie within 1% at batch 8 × 32768.
-    return TileConfig(block_m, 64 if head_dim <= 128 else 32, 4, 2)
+    # Swept on an H100 (benchmarks/tune_decode.py, NOTES.md): where the rows alone fill the GPU
+    # (batch 64 × 4096 keys, one program per row) two stages beat three, 365 vs 401 µs; where
+    # rows are split (batch 8 × 32768) three won at 16 query rows (364 vs 407 µs) and page size 1.
+    return TileConfig(block_m, 64 if head_dim <= 128 else 32, 4, 3 if split else 2)
 
 
 def decode_map_block(device_type: str) -> int:
