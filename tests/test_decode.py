@@ -1,5 +1,8 @@
 """Decoding and chunked prefill: compiled_attention's kv_lens and the split-KV kernel, checked
 against the float64 dense reference through Triton's interpreter."""
+import runpy
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -241,3 +244,10 @@ def test_paged_attention_errors_name_the_rule():
         maskc.paged_attention(q, cache, torch.tensor([0, 1]), enable_gqa=True)
     with pytest.raises(TypeError, match="q is torch.float16 but the cache holds torch.float32"):
         maskc.paged_attention(q.half(), cache, torch.tensor([0]), enable_gqa=True)
+
+
+def test_generate_example_matches_recomputation():
+    """examples/generate.py: greedy decoding from paged caches, its logits checked against
+    recomputing each sequence at every step (it exits 1 where they differ)."""
+    example = runpy.run_path(str(Path(__file__).parent.parent / "examples" / "generate.py"))
+    assert example["main"]() == 0

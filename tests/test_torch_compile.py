@@ -213,3 +213,45 @@ def test_a_plain_function_under_compile_is_refused_with_the_fix():
                              fullgraph=True)
     with pytest.raises(Exception, match=r"must be a maskc.MaskMod \(decorate the function with @maskc.mask_mod"):
         compiled(q)
+
+
+# -- decoding ----------------------------------------------------------------------------------
+def test_a_decoding_step_compiles_without_breaks_or_recompiles():
+    """compiled_attention with kv_lens and paged_attention under fullgraph: one graph, new
+    lengths and new cache contents run it again without recompiling, and outputs match eager."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 1, 16, generator=gen)
+    k, v = torch.randn(2, 2, 40, 16, generator=gen), torch.randn(2, 2, 40, 16, generator=gen)
+    window = maskc.masks.sliding_window(9)
+    cache = maskc.PagedKVCache(8, 16, 2, 16, dtype=torch.float32, max_seqs=3)
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    cache.append(slots, k[:, :, :30], v[:, :, :30])
+
+    def step(q, lens):
+        contiguous = maskc.compiled_attention(q, k, v, mask_mod=window, enable_gqa=True, kv_lens=lens)
+        paged = maskc.paged_attention(q, cache, slots, mask_mod=masks.causal, enable_gqa=True)
+        return contiguous, paged
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for lens, extra in ((torch.tensor([40, 3], dtype=torch.int32), 0), (torch.tensor([7, 0], dtype=torch.int32), 5)):
+        if extra:
+            cache.append(slots, k[:, :, 30:30 + extra], v[:, :, 30:30 + extra])
+        got, expected = compiled(q, lens), step(q, lens)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert counter.frame_count == 1 and _no_graph_breaks()
+
+
+def test_decoding_operators_pass_opcheck():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(1, 2, 2, 16, generator=gen), torch.randn(1, 1, 20, 16, generator=gen), \
+        torch.randn(1, 1, 20, 16, generator=gen)
+    lens = torch.tensor([11], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.maskc.decode.default, (q, k, v, lens, masks.causal.key, "", "", None, True))
+    cache = maskc.PagedKVCache(4, 16, 1, 16, dtype=torch.float32, max_seqs=2)
+    slots = torch.tensor([1], dtype=torch.int32)
+    cache.append(slots, k, v)
+    torch.library.opcheck(torch.ops.maskc.paged_attention.default,
+                          (q, cache.k_pages, cache.v_pages, cache.page_table, cache.lens, slots, 16, masks.causal.key,
+                           "", None, True))

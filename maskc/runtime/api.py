@@ -39,11 +39,11 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
     >>> out = maskc.compiled_attention(q_step, k_cache, v_cache, mask_mod=maskc.masks.causal, kv_lens=lens)
     """
     if torch.compiler.is_compiling():
+        # Dynamo traces this branch alone: maskc's Python runs inside the operators (runtime/ops.py)
         if kv_lens is not None:
-            raise NotImplementedError("kv_lens under torch.compile is not supported yet; call "
-                                      "maskc.compiled_attention with kv_lens outside the compiled region")
-        # Dynamo traces this branch alone: maskc's Python runs inside the operator (runtime/ops.py)
-        out, lse = ops.attention(q, k, v, mask_mod, score_mod, scale, enable_gqa, block_map)
+            out, lse = ops.decode(q, k, v, kv_lens, mask_mod, score_mod, scale, enable_gqa, block_map)
+        else:
+            out, lse = ops.attention(q, k, v, mask_mod, score_mod, scale, enable_gqa, block_map)
         return (out, lse) if return_lse else out
     plan.check_tensors(q, k, v, enable_gqa)
     mask, score = plan.mask_of_call(as_mask_mod(mask_mod), block_map), as_score_mod(score_mod)
@@ -59,10 +59,7 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
         if differentiable:
             raise NotImplementedError("kv_lens is for decoding and chunked prefill, which maskc runs without "
                                       "gradients; call it under torch.no_grad(), or detach q, k and v")
-        lens = None if kv_lens is None else _check_lens(kv_lens, q, k)
-        found = decode.problem(q, (k.shape[1], k.shape[2], D, v.shape[3]), mask, score, scale, lens=lens is not None,
-                               block_map=block_map)
-        out, lse = decode.run(found, q, k, v, kv_lens=lens)
+        out, lse = decode.contiguous(q, k, v, mask, score, scale, kv_lens, block_map)
         return (out, lse) if return_lse else out
     if block_map is not None:
         problem = plan.given(q, k, v, mask, score, scale, block_map)
@@ -91,63 +88,13 @@ def paged_attention(q, cache: PagedKVCache, seq_ids, *, mask_mod=None, score_mod
     """
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be a maskc.PagedKVCache, got {type(cache).__name__}")
-    if isinstance(q, torch.Tensor) and q.dtype != cache.dtype:
-        raise TypeError(f"q is {q.dtype} but the cache holds {cache.dtype}; cast q")
-    # empty stand-ins for k and v, so that q is checked against the cache as against keys
-    k_view = cache.k_pages.new_empty((q.shape[0], cache.num_kv_heads, 0, cache.head_dim))
-    v_view = cache.v_pages.new_empty((q.shape[0], cache.num_kv_heads, 0, cache.head_dim_v))
-    plan.check_tensors(q, k_view, v_view, enable_gqa)
-    if torch.is_grad_enabled() and q.requires_grad:
-        raise NotImplementedError("paged_attention runs without gradients; call it under torch.no_grad() or "
-                                  "detach q")
-    slots = _check_slots(seq_ids, q, cache)
-    mask, score = as_mask_mod(mask_mod), as_score_mod(score_mod)
-    B, Hq, Lq, D = q.shape
-    if Lq > cache.capacity:
-        raise ValueError(f"q has {Lq} queries but a sequence of this cache holds at most {cache.capacity} tokens; "
-                         f"make the cache's max_pages_per_seq larger")
-    if 0 in (B, Hq, Lq):
-        out, lse = launch.no_pairs(q, v_view)
+    if torch.compiler.is_compiling():
+        out, lse = ops.paged(q, cache.k_pages, cache.v_pages, cache.page_table, cache.lens, seq_ids, cache.page_size,
+                             mask_mod, score_mod, scale, enable_gqa)
         return (out, lse) if return_lse else out
-    found = decode.problem(q, (cache.num_kv_heads, cache.capacity, D, cache.head_dim_v), mask, score, scale,
-                           lens=True)
-    k, v = cache.k_pages, cache.v_pages
-    # pages [pages, page_size, Hkv, D]: the kernel's (b, h, n, d) strides are (page, head, row, d)
-    strides = tuple((t.stride(0), t.stride(2), t.stride(1), t.stride(3)) for t in (k, v))
-    out, lse = decode.run(found, q, k, v, kv_lens=cache.lens, page_table=cache.page_table, slots=slots,
-                          page_size=cache.page_size, kv_strides=strides)
+    out, lse = decode.paged(q, cache.k_pages, cache.v_pages, cache.page_table, cache.lens, seq_ids, cache.page_size,
+                            as_mask_mod(mask_mod), as_score_mod(score_mod), scale, enable_gqa)
     return (out, lse) if return_lse else out
-
-
-def _check_lens(kv_lens, q, k) -> torch.Tensor:
-    """kv_lens as the kernel reads it (int32 [B] on q's device), after checking what can be
-    checked without reading it: reading would wait for the GPU, and a step must not."""
-    B, _, Lq, _ = q.shape
-    if not isinstance(kv_lens, torch.Tensor) or kv_lens.dtype.is_floating_point or kv_lens.dtype == torch.bool:
-        got = kv_lens.dtype if isinstance(kv_lens, torch.Tensor) else type(kv_lens).__name__
-        raise TypeError(f"kv_lens must be an integer tensor [B] of key counts, got {got}; build it with "
-                        f"torch.tensor(lengths, dtype=torch.int32, device=q.device)")
-    if tuple(kv_lens.shape) != (B,):
-        raise ValueError(f"kv_lens must have shape [B] = [{B}], got {tuple(kv_lens.shape)}")
-    if kv_lens.device != q.device:
-        raise ValueError(f"kv_lens lives on {kv_lens.device} but q is on {q.device}; move it to {q.device}")
-    if Lq > k.shape[2]:
-        raise ValueError(f"q has {Lq} queries but k only {k.shape[2]} keys; with kv_lens the queries are the last "
-                         f"Lq of the keys, so k must hold at least Lq")
-    return kv_lens if kv_lens.dtype == torch.int32 else kv_lens.to(torch.int32)
-
-
-def _check_slots(seq_ids, q, cache) -> torch.Tensor:
-    if not isinstance(seq_ids, torch.Tensor) or seq_ids.dtype.is_floating_point or seq_ids.dtype == torch.bool:
-        got = seq_ids.dtype if isinstance(seq_ids, torch.Tensor) else type(seq_ids).__name__
-        raise TypeError(f"seq_ids must be an integer tensor [B] of cache slots, got {got}")
-    if tuple(seq_ids.shape) != (q.shape[0],):
-        raise ValueError(f"seq_ids must have shape [B] = [{q.shape[0]}] (one slot per sequence of q), got "
-                         f"{tuple(seq_ids.shape)}")
-    if seq_ids.device != q.device or cache.device != q.device:
-        raise ValueError(f"q ({q.device}), seq_ids ({seq_ids.device}) and the cache ({cache.device}) must share a "
-                         f"device")
-    return seq_ids if seq_ids.dtype == torch.int32 else seq_ids.to(torch.int32)
 
 
 def compile(mask_mod=None, score_mod=None, *, dtype=torch.bfloat16, head_dim: int = 128,

@@ -164,6 +164,84 @@ def _tables(bm: BlockMap, block_n: int, group: int) -> tuple[dict, int]:
                 MAP_HEADS=group if H > 1 else 1), widest
 
 
+# -- entry points ----------------------------------------------------------------------------
+def contiguous(q, k, v, mask_mod, score_mod, scale, kv_lens=None, block_map: BlockMap | None = None):
+    """(out, lse) of decoding over k and v [B, Hkv, Lkv, D], checked (q, k and v already are):
+    compiled_attention's path for kv_lens and few query rows, eager or in its operator."""
+    lens = None if kv_lens is None else check_lens(kv_lens, q, k)
+    found = problem(q, (k.shape[1], k.shape[2], q.shape[3], v.shape[3]), mask_mod, score_mod, scale,
+                    lens=lens is not None, block_map=block_map)
+    return run(found, q, k, v, kv_lens=lens)
+
+
+def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_mod, score_mod, scale,
+          enable_gqa: bool):
+    """(out, lse) of decoding over a paged cache's tensors (PagedKVCache's fields), checked:
+    paged_attention's path, eager or in its operator."""
+    B = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+    if isinstance(q, torch.Tensor) and q.dtype != k_pages.dtype:
+        raise TypeError(f"q is {q.dtype} but the cache holds {k_pages.dtype}; cast q")
+    # empty stand-ins for k and v, so that q is checked against the cache as against keys
+    Hkv = k_pages.shape[2]
+    plan.check_tensors(q, k_pages.new_empty((B, Hkv, 0, k_pages.shape[3])),
+                       v_pages.new_empty((B, Hkv, 0, v_pages.shape[3])), enable_gqa)
+    if torch.is_grad_enabled() and q.requires_grad:
+        raise NotImplementedError("paged_attention runs without gradients; call it under torch.no_grad() or "
+                                  "detach q")
+    if q.device != k_pages.device:
+        raise ValueError(f"q is on {q.device} but the cache on {k_pages.device}; move q")
+    slots = check_slots(seq_ids, q)
+    _, Hq, Lq, D = q.shape
+    capacity = page_table.shape[1] * page_size
+    if Lq > capacity:
+        raise ValueError(f"q has {Lq} queries but a sequence of this cache holds at most {capacity} tokens; "
+                         f"make the cache's max_pages_per_seq larger")
+    if 0 in (B, Hq, Lq):
+        return no_pairs_of(q, v_pages.shape[3])
+    found = problem(q, (Hkv, capacity, D, v_pages.shape[3]), mask_mod, score_mod, scale, lens=True)
+    # pages [pages, page_size, Hkv, D]: the kernel's (b, h, n, d) strides are (page, head, row, d)
+    strides = tuple((t.stride(0), t.stride(2), t.stride(1), t.stride(3)) for t in (k_pages, v_pages))
+    return run(found, q, k_pages, v_pages, kv_lens=lens, page_table=page_table, slots=slots, page_size=page_size,
+               kv_strides=strides)
+
+
+def no_pairs_of(q, dv: int):
+    B, Hq, Lq, _ = q.shape
+    out = q.new_zeros((B, Hq, Lq, dv))
+    return out, torch.full((B, Hq, Lq), float("-inf"), dtype=accumulator(q.dtype), device=q.device)
+
+
+def check_lens(kv_lens, q, k) -> torch.Tensor:
+    """kv_lens as the kernel reads it (int32 [B] on q's device), after checking what can be
+    checked without reading it: reading would wait for the GPU, and a step must not."""
+    B, _, Lq, _ = q.shape
+    if not isinstance(kv_lens, torch.Tensor) or kv_lens.dtype.is_floating_point or kv_lens.dtype == torch.bool:
+        got = kv_lens.dtype if isinstance(kv_lens, torch.Tensor) else type(kv_lens).__name__
+        raise TypeError(f"kv_lens must be an integer tensor [B] of key counts, got {got}; build it with "
+                        f"torch.tensor(lengths, dtype=torch.int32, device=q.device)")
+    if tuple(kv_lens.shape) != (B,):
+        raise ValueError(f"kv_lens must have shape [B] = [{B}], got {tuple(kv_lens.shape)}")
+    if kv_lens.device != q.device:
+        raise ValueError(f"kv_lens lives on {kv_lens.device} but q is on {q.device}; move it to {q.device}")
+    if Lq > k.shape[2]:
+        raise ValueError(f"q has {Lq} queries but k only {k.shape[2]} keys; with kv_lens the queries are the last "
+                         f"Lq of the keys, so k must hold at least Lq")
+    return kv_lens if kv_lens.dtype == torch.int32 else kv_lens.to(torch.int32)
+
+
+def check_slots(seq_ids, q) -> torch.Tensor:
+    """seq_ids as the kernel reads it (int32 [B] on q's device)."""
+    if not isinstance(seq_ids, torch.Tensor) or seq_ids.dtype.is_floating_point or seq_ids.dtype == torch.bool:
+        got = seq_ids.dtype if isinstance(seq_ids, torch.Tensor) else type(seq_ids).__name__
+        raise TypeError(f"seq_ids must be an integer tensor [B] of cache slots, got {got}")
+    if tuple(seq_ids.shape) != (q.shape[0],):
+        raise ValueError(f"seq_ids must have shape [B] = [{q.shape[0]}] (one slot per sequence of q), got "
+                         f"{tuple(seq_ids.shape)}")
+    if seq_ids.device != q.device:
+        raise ValueError(f"q ({q.device}) and seq_ids ({seq_ids.device}) must share a device")
+    return seq_ids if seq_ids.dtype == torch.int32 else seq_ids.to(torch.int32)
+
+
 # -- launches --------------------------------------------------------------------------------
 def _strides(prefix: str, letters: str = "bhnd") -> tuple[str, ...]:
     return tuple(f"stride_{prefix}{c}" for c in letters)
@@ -238,4 +316,5 @@ def _plans(problem: Decode, lens: bool, paged: bool, slots: bool, page_size: int
     return plan_
 
 
-__all__ = ["Decode", "MAX_ROWS", "choose_splits", "problem", "run", "wanted"]
+__all__ = ["Decode", "MAX_ROWS", "check_lens", "check_slots", "choose_splits", "contiguous", "paged", "problem", "run",
+           "wanted"]

@@ -18,7 +18,9 @@ have the compiler trace the planning Python, baking those values into the graph,
 Triton's interpreter for CPU tensors.)
 
 The backward operator runs with the forward's own plan, as the eager autograd Function does:
-the forward returns a token, a CPU int64 scalar naming its plan.
+the forward returns a token, a CPU int64 scalar naming its plan. Decoding (kv_lens) and
+paged_attention have operators of their own, `maskc::decode` and `maskc::paged_attention`,
+without gradients.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import weakref
 import torch
 
 from maskc.analysis.blockmap import BlockMap
+from maskc.runtime import decode as decoding
 from maskc.runtime import launch, plan
 from maskc.runtime.dtypes import accumulator
 from maskc.trace.mods import MaskMod, ScoreMod, mod_of_key
@@ -120,6 +123,63 @@ def _found(key: str, find):
     return found
 
 
+# -- decoding --------------------------------------------------------------------------------
+def decode(q, k, v, kv_lens, mask_mod, score_mod, scale, enable_gqa: bool, block_map):
+    """(out, lse) of compiled_attention with kv_lens through `maskc::decode`, as `attention`."""
+    mask_mod = plan.mask_of_call(mask_mod, block_map)
+    keys = (_key(mask_mod, MaskMod, "mask_mod"), _key(score_mod, ScoreMod, "score_mod"),
+            block_map.key if block_map is not None else "")
+    return torch.ops.maskc.decode(q, k, v, kv_lens, *keys, None if scale is None else float(scale), enable_gqa)
+
+
+def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_mod, score_mod, scale,
+          enable_gqa: bool):
+    """(out, lse) of paged_attention through `maskc::paged_attention`: the cache's tensors are
+    the operator's inputs, so a step reads the cache's state when it runs."""
+    keys = (_key(mask_mod, MaskMod, "mask_mod"), _key(score_mod, ScoreMod, "score_mod"))
+    return torch.ops.maskc.paged_attention(q, k_pages, v_pages, page_table, lens, seq_ids, page_size, *keys,
+                                           None if scale is None else float(scale), enable_gqa)
+
+
+@torch.library.custom_op("maskc::decode", mutates_args=())
+def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, mask_key: str, score_key: str,
+            map_key: str, scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    mask, score, block_map = (_found(key, find) for key, find in ((mask_key, mod_of_key), (score_key, mod_of_key),
+                                                                   (map_key, BlockMap.of_key)))
+    B, Hq, Lq, _ = q.shape
+    if k.shape[0] != B:
+        k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
+    if 0 in (B, Hq, Lq, k.shape[2]):
+        return launch.no_pairs(q, v)
+    return decoding.contiguous(q, k, v, mask, score, scale, kv_lens, block_map)
+
+
+@_decode.register_fake
+def _decode_fake(q, k, v, kv_lens, mask_key, score_key, map_key, scale, enable_gqa):
+    plan.check_tensors(q, k, v, enable_gqa)
+    decoding.check_lens(kv_lens, q, k)
+    return _outputs(q, v.shape[3])
+
+
+@torch.library.custom_op("maskc::paged_attention", mutates_args=())
+def _paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+           lens: torch.Tensor, seq_ids: torch.Tensor, page_size: int, mask_key: str, score_key: str,
+           scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    mask, score = _found(mask_key, mod_of_key), _found(score_key, mod_of_key)
+    return decoding.paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size, mask, score, scale, enable_gqa)
+
+
+@_paged.register_fake
+def _paged_fake(q, k_pages, v_pages, page_table, lens, seq_ids, page_size, mask_key, score_key, scale, enable_gqa):
+    decoding.check_slots(seq_ids, q)
+    return _outputs(q, v_pages.shape[3])
+
+
+def _outputs(q, dv: int):
+    B, Hq, Lq, _ = q.shape
+    return q.new_empty((B, Hq, Lq, dv)), q.new_empty((B, Hq, Lq), dtype=accumulator(q.dtype))
+
+
 # -- backward --------------------------------------------------------------------------------
 @torch.library.custom_op("maskc::attention_backward", mutates_args=())
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -162,4 +222,4 @@ def _grad(ctx, d_out, d_lse, _):
 _forward.register_autograd(_grad, setup_context=_setup_context)
 
 
-__all__ = ["attention"]
+__all__ = ["attention", "decode", "paged"]
