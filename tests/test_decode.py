@@ -251,3 +251,42 @@ def test_generate_example_matches_recomputation():
     recomputing each sequence at every step (it exits 1 where they differ)."""
     example = runpy.run_path(str(Path(__file__).parent.parent / "examples" / "generate.py"))
     assert example["main"]() == 0
+
+
+def test_strided_bf16_pages_from_one_kv_tensor():
+    """FlashInfer's layout: k and v pages as two strided halves of one [pages, 2, P, H, D]
+    tensor, in bf16 (which the interpreter runs in float32 copies with other strides)."""
+    torch.manual_seed(6)
+    kv = torch.randn(20, 2, 4, 2, 16).bfloat16()
+    cache = maskc.PagedKVCache.from_csr(kv[:, 0], kv[:, 1], torch.tensor([0, 3, 5]), torch.tensor([7, 2, 9, 0, 15]),
+                                        torch.tensor([2, 4]))
+    q = torch.randn(2, 6, 2, 16).bfloat16()
+    slots = torch.tensor([1, 0], dtype=torch.int32)
+    out = maskc.paged_attention(q, cache, slots, mask_mod=maskc.masks.causal, enable_gqa=True)
+    for b, slot in enumerate(slots.tolist()):
+        k, v = cache.gather(slot)
+        ref, _ = decode_reference(q[b:b + 1], k[None], v[None], torch.tensor([k.shape[1]]), maskc.masks.causal,
+                                  enable_gqa=True)
+        assert_close_to_reference(out[b:b + 1], ref, torch.bfloat16)
+
+
+def test_a_slot_outside_the_cache_reads_as_empty():
+    cache = maskc.PagedKVCache(4, 16, 1, 16, dtype=torch.float32, max_seqs=2)
+    cache.append(torch.tensor([0, 1]), torch.randn(2, 1, 5, 16), torch.randn(2, 1, 5, 16))
+    out, lse = maskc.paged_attention(torch.randn(2, 1, 1, 16), cache, torch.tensor([7, -1]), return_lse=True)
+    assert torch.count_nonzero(out) == 0 and torch.isinf(lse).all()
+
+
+def test_paged_errors_name_the_cache():
+    cache = maskc.PagedKVCache(4, 16, 2, 16, dtype=torch.float32, max_seqs=2)
+    with pytest.raises(ValueError, match="the cache's head_dim is 16"):
+        maskc.paged_attention(torch.randn(1, 2, 1, 32), cache, torch.tensor([0]))
+    with pytest.raises(ValueError, match="q has 3 heads and the cache 2 kv heads"):
+        maskc.paged_attention(torch.randn(1, 3, 1, 16), cache, torch.tensor([0]), enable_gqa=True)
+
+
+def test_a_block_map_for_kv_lens_is_over_key_positions():
+    q, k = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 40, 16)
+    wrong = maskc.block_map(maskc.masks.causal, 2, 40, block_size=(16, 16))
+    with pytest.raises(ValueError, match=r"maskc.block_map\(mask, 40, 40\)"):
+        maskc.compiled_attention(q, k, k, mask_mod=maskc.masks.causal, block_map=wrong, kv_lens=torch.tensor([30]))

@@ -68,7 +68,7 @@ def test_records_say_what_was_traced_analysed_rendered_read_and_launched(caplog)
     assert rendered.endswith(f" ms into {kernel.path.parent}")
     assert read == f"read {kernel.path.stem} from {kernel.path.parent}"
 
-    q = torch.randn(1, 1, 20, 16, generator=torch.Generator().manual_seed(0))
+    q = torch.randn(1, 1, 80, 16, generator=torch.Generator().manual_seed(0))  # the forward kernel, not decoding
     maskc.compiled_attention(q, q, q, mask_mod=mask)
     maskc.compiled_attention(q, q, q, mask_mod=mask)  # launched again: not a first launch
     (launch,) = _messages(caplog, "maskc.runtime.launch")

@@ -206,7 +206,7 @@ def _run_after(damage, cache_dir):
     good = kernel.path.read_bytes()
     damage(kernel.path)
     KERNELS.clear()
-    q, k, v = _qkv()
+    q, k, v = _qkv(Lq=80)  # more rows than decoding takes: the forward kernel's file runs
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _check(q, k, v, mask_mod=masks.sliding_window(4))
@@ -240,7 +240,7 @@ def test_damaged_kernel_file_is_rendered_again(damage, cache_dir):
 def test_file_edited_after_it_was_read_is_not_run(cache_dir):
     kernel = _kernel()  # read and checked, not yet imported
     _edit(kernel.path)
-    q, k, v = _qkv()
+    q, k, v = _qkv(Lq=80)  # more rows than decoding takes: the forward kernel's file runs
     with pytest.warns(UserWarning, match=str(kernel.path.name)):
         _check(q, k, v, mask_mod=masks.sliding_window(4))
 

@@ -503,6 +503,20 @@ class TritonPrinter(CodePrinter):
 
     _print_LoadInt = _print_LoadFloat = _print_LoadBool = _print_load
 
+    def address(self, load, name: str) -> tuple[str, str]:
+        """(offset, inside) of captured tensor element `load` in a tensor `name` with strides
+        `{name}_stride{d}` and the captured tensor's sizes: where a kernel accumulates the
+        gradient of that element. Inline text (no statements), for any scope."""
+        slot = int(load.args[0])
+        self._reset(counts=None, uses={}, prefix="")
+        index = [self._text(i) for i in load.args[1:]]
+        if not index:
+            return "0", "1"
+        offset = " + ".join(f"{i.operand(_Prec.MUL)} * {name}_stride{d}" for d, i in enumerate(index))
+        inside = " & ".join(f"({i.operand(_Prec.COMPARE + 1)} >= 0) & ({i.operand(_Prec.COMPARE + 1)} < T{slot}_size{d})"
+                            for d, i in enumerate(index))
+        return offset, inside
+
 
 def _position_sum(e) -> bool:
     """Whether `e` is ±q_idx, ±kv_idx and integer literals summed, with a position in it."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import threading
 from importlib import resources
 from pathlib import Path
 from typing import NamedTuple
@@ -17,7 +18,7 @@ from maskc.codegen.printer import TritonPrinter, describe, tensor_args
 from maskc.codegen.separable import separate
 from maskc.codegen.source import KernelSource
 from maskc.errors import MaskcError
-from maskc.trace.symbols import INTEGER_OPS, SCORE
+from maskc.trace.symbols import INTEGER_OPS, KV_IDX, Q_IDX, SCORE, LoadFloat
 
 TEMPLATES = {"fwd": "attention_fwd.py.jinja", "bwd": "attention_bwd.py.jinja", "dec": "attention_decode.py.jinja"}
 # The @triton.jit functions each kind of file defines.
@@ -78,10 +79,16 @@ def render(spec: KernelSource, templates: str | None = None) -> Rendered:
     return Rendered(text, parameters(text))
 
 
+# NOTE: CPython 3.11's ast.parse is not thread-safe ("AST constructor recursion depth mismatch",
+# python/cpython#106905): threads rendering or reading kernels at once take turns.
+_PARSING = threading.Lock()
+
+
 def parameters(text: str) -> dict[str, tuple[str, ...]]:
     """The parameter names of each top-level function in a kernel file's text, in order (a
     cached file read from disk gives them as a fresh rendering would)."""
-    tree = ast.parse(text)
+    with _PARSING:
+        tree = ast.parse(text)
     return {f.name: tuple(a.arg for a in f.args.args) for f in tree.body if isinstance(f, ast.FunctionDef)}
 
 
@@ -92,15 +99,18 @@ def _hooks(spec: KernelSource) -> dict:
     printer = TritonPrinter()  # each block has its own names; `helpers` collects over all three
     mask = sympy.true if spec.mask_expr is None else spec.mask_expr
     _name(hooks, "mask", printer.block([mask], "_mask")[0])
-    score_grad = None
+    score_grad, loads = None, []
     if spec.kind == "bwd" and spec.score_expr is not None:
         score_grad = score_derivative(spec.score_expr)
         score_grad = None if score_grad == 1 else score_grad
-    # the derivative runs after the score in the same tile, so it may use the score's names
-    scores = [e for e in (spec.score_expr, score_grad) if e is not None]
+        loads = _float_loads(spec.score_expr, spec.grad_slots)
+    load_grads = [_Derivative(load)(spec.score_expr) for load in loads]
+    # the derivatives run after the score in the same tile, so they may use the score's names
+    scores = [e for e in (spec.score_expr, score_grad) if e is not None] + load_grads
     printed = iter(printer.block(scores, "_score"))
     for hook, expr in (("score", spec.score_expr), ("score_grad", score_grad)):
         _name(hooks, hook, next(printed) if expr is not None else None)
+    load_printed = list(printed)
     # Only the forward uses the split. float64 runs exist for exact checks (gradcheck): there
     # the score mod runs as written, since the split form measured 2e-7 relative error in
     # float64 against 6e-16 (some term of it is computed in float32; not pinned down).
@@ -113,6 +123,19 @@ def _hooks(spec: KernelSource) -> dict:
         _name(hooks, hook, p)
     # the column's text runs in the tile function, which takes the names it may read as arguments
     hooks["split_names"] = [name for p in printed[:2] if p for name in p.names]
+    # each captured float element the score reads, with its derivative and where its gradient goes
+    hooks["load_grads"] = []
+    for load, p in zip(loads, load_printed):
+        slot = int(load.args[0])
+        offset, inside = printer.address(load, f"G{slot}")
+        positions = load.free_symbols & {Q_IDX, KV_IDX}
+        # the positions the element's index reads: the tile's contributions are summed over the others
+        # first, so that an element read by a whole row, column or tile takes one atomic add per tile
+        reads = "both" if len(positions) == 2 else "rows" if Q_IDX in positions else "columns" if positions else "none"
+        hooks["load_grads"].append(dict(slot=slot, statements=p.statements, value=p.value, offset=offset,
+                                        inside=inside, reads=reads, text=describe(load, limit=30)))
+    hooks["grad_args"] = [arg for slot in spec.grad_slots
+                          for arg in (f"G{slot}", *(f"G{slot}_stride{d}" for d in range(spec.tensor_ranks[slot])))]
     hooks["helpers"] = sorted(printer.helpers)  # the file defines only these
     return hooks
 
@@ -128,6 +151,20 @@ _SMOOTH = (sympy.exp, sympy.log, sympy.tanh, sympy.sin, sympy.cos, sympy.erf)
 # floor), which is rarely what was meant. Indices of captured tensors are integers, so one
 # of these reaches any index that depends on score.
 _STEPS = (sympy.floor, sympy.ceiling, *INTEGER_OPS)
+
+
+def _float_loads(expr, slots) -> list:
+    """The distinct elements of captured float tensors numbered `slots` that `expr` reads."""
+    found, seen, stack = set(), set(), [expr]
+    while stack:
+        e = stack.pop()
+        if e in seen:
+            continue
+        seen.add(e)
+        if isinstance(e, LoadFloat) and int(e.args[0]) in slots:
+            found.add(e)
+        stack.extend(e.args)
+    return sorted(found, key=sympy.default_sort_key)
 
 
 def score_derivative(expr) -> sympy.Expr:
@@ -148,8 +185,12 @@ def score_derivative(expr) -> sympy.Expr:
 
 
 class _Derivative:
-    def __init__(self):
+    """d expr / d target: the score, or one element of a captured tensor (a load), which the
+    rules treat as a variable like the score."""
+
+    def __init__(self, target=SCORE):
         self.done = {}
+        self.target = target
 
     def __call__(self, e):
         d = self.done.get(e)
@@ -158,7 +199,7 @@ class _Derivative:
         return d
 
     def _rule(self, e):
-        if e == SCORE:
+        if e == self.target:
             return sympy.Integer(1)
         if not e.args or e.is_Boolean:
             return sympy.Integer(0)
@@ -183,9 +224,11 @@ class _Derivative:
             return sympy.Integer(0)
         if isinstance(e, _SMOOTH):
             return sympy.Add(*[e.fdiff(i + 1) * s for i, s in enumerate(slopes) if s != 0])
-        fix = ("use operations differentiable in score (torch.where, clamp, abs, exp, tanh, ...), or apply it to "
-               "b, h, q_idx and kv_idx only" if isinstance(e, _STEPS) else "maskc has no derivative rule for it")
-        raise MaskcError(f"score_mod is not differentiable in score at {describe(e, limit=40)}, which the "
+        what = "score" if self.target == SCORE else f"its captured tensor element {describe(self.target, limit=30)}"
+        fix = (f"use operations differentiable in {'score' if self.target == SCORE else 'it'} (torch.where, clamp, "
+               f"abs, exp, tanh, ...), or apply it to b, h, q_idx and kv_idx only" if isinstance(e, _STEPS)
+               else "maskc has no derivative rule for it")
+        raise MaskcError(f"score_mod is not differentiable in {what} at {describe(e, limit=40)}, which the "
                          f"backward pass needs; {fix}")
 
     def _pow(self, e):

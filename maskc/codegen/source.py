@@ -34,18 +34,23 @@ class KernelSource:
     # The forward adds a score of the form a·score + row + column in one FMA (codegen/separable.py),
     # except for float64 inputs, which exist for exact checks: there the mod runs as written.
     split_score: bool
+    # The backward's captured float tensors whose gradients it accumulates (slots read by the
+    # score mod); empty for every other kernel.
+    grad_slots: tuple[int, ...] = ()
     mask_expr: sympy.Basic | None = field(default=None, compare=False, repr=False)
     score_expr: sympy.Basic | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, kind: str, mask: Traced | None, score: Traced | None, *, exact: bool) -> "KernelSource":
-        """The source of the `kind` kernel for traced mask and score; `exact` for float64 inputs."""
+    def of(cls, kind: str, mask: Traced | None, score: Traced | None, *, exact: bool,
+           grad_slots: tuple[int, ...] = ()) -> "KernelSource":
+        """The source of the `kind` kernel for traced mask and score; `exact` for float64 inputs;
+        `grad_slots` the captured tensors whose gradients a backward kernel computes."""
         mask_expr, score_expr, tensors, params = merge(mask, score)
         split = kind == "fwd" and not exact and separate(score_expr) is not None
         return cls(kind=kind, mask_signature=mask.signature if mask else "",
                    score_signature=score.signature if score else "", tensor_ranks=tuple(t.dim() for t in tensors),
                    param_kinds=tuple("i" if isinstance(p.value, int) else "f" for p in params), split_score=split,
-                   mask_expr=mask_expr, score_expr=score_expr)
+                   grad_slots=tuple(grad_slots) if kind == "bwd" else (), mask_expr=mask_expr, score_expr=score_expr)
 
     def digest(self, *, codegen_hash: str, maskc_version: str) -> str:
         """The hash of the text: these fields, the templates and codegen modules, and maskc's

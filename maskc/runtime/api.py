@@ -51,14 +51,16 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
     if k.shape[0] != B:
         # views over q's batch: autograd sums their gradients back into k and v
         k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
-    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    differentiable = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v))
+                                                  or plan.captured_need_grad(mask, score))
     if 0 in (B, Hq, Lq, k.shape[2]):
         out, lse = NoPairs.apply(q, k, v) if differentiable else launch.no_pairs(q, v)
         return (out, lse) if return_lse else out
     if kv_lens is not None or decode.wanted(q, k, differentiable):
         if differentiable:
             raise NotImplementedError("kv_lens is for decoding and chunked prefill, which maskc runs without "
-                                      "gradients; call it under torch.no_grad(), or detach q, k and v")
+                                      "gradients; call it under torch.no_grad(), or detach q, k, v and the mods' "
+                                      "captured tensors")
         out, lse = decode.contiguous(q, k, v, mask, score, scale, kv_lens, block_map)
         return (out, lse) if return_lse else out
     if block_map is not None:
@@ -66,7 +68,7 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
     else:
         problem = plan.planned(q, k, v, mask, score, scale, launch.seconds)
     if differentiable:
-        out, lse = AttentionFunction.apply(q, k, v, problem)
+        out, lse = AttentionFunction.apply(q, k, v, problem, *problem.grad_tensors)
     else:
         out, lse = launch.forward(q, k, v, problem)
     return (out, lse) if return_lse else out

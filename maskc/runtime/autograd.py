@@ -8,8 +8,11 @@ from maskc.runtime.plan import Problem
 
 
 class AttentionFunction(torch.autograd.Function):
+    """Attention differentiable in q, k, v and the captured tensors problem.grad_tensors, which
+    follow `problem` as inputs so that autograd hands their gradients back."""
+
     @staticmethod
-    def forward(ctx, q, k, v, problem: Problem):
+    def forward(ctx, q, k, v, problem: Problem, *captured):
         out, lse = launch.forward(q, k, v, problem)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
@@ -20,8 +23,8 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = launch.backward(q, k, v, out, lse, d_out, d_lse, ctx.problem)
-        return dq, dk, dv, None
+        dq, dk, dv, *captured = launch.backward(q, k, v, out, lse, d_out, d_lse, ctx.problem)
+        return dq, dk, dv, None, *captured
 
 
 class NoPairs(torch.autograd.Function):

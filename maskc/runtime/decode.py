@@ -88,10 +88,16 @@ def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: B
     B, Hq, Lq, D = q.shape
     Hkv, kv_cap, _, Dv = kv_shape
     traces = plan.traces_of(mask_mod, score_mod)
-    plan.check_captured(traces, q.device)
+    plan.check_captured(traces, q.device, gradients=False)
     map_q = kv_cap if lens else Lq
     if block_map is not None:
-        plan.check_block_map(block_map, mask_mod, traces[0], B, Hq, map_q, kv_cap, q.device)
+        try:
+            plan.check_block_map(block_map, mask_mod, traces[0], B, Hq, map_q, kv_cap, q.device)
+        except ValueError as error:
+            if not lens:
+                raise
+            raise ValueError(f"{error} (with kv_lens, queries sit at positions up to kv_len, so the map is built over "
+                             f"kv_len × kv_len: maskc.block_map(mask, {kv_cap}, {kv_cap}))") from None
     key = (*map(id, traces), id(block_map), q.dtype, q.device, q.shape, kv_shape, scale, lens,
            tuple(x._version for t in traces if t is not None for x in t.tensors), tiles.override_key())
     found = DECODES.get(key)
@@ -181,8 +187,16 @@ def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_m
     B = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
     if isinstance(q, torch.Tensor) and q.dtype != k_pages.dtype:
         raise TypeError(f"q is {q.dtype} but the cache holds {k_pages.dtype}; cast q")
-    # empty stand-ins for k and v, so that q is checked against the cache as against keys
     Hkv = k_pages.shape[2]
+    if isinstance(q, torch.Tensor) and q.dim() == 4:
+        if q.shape[3] != k_pages.shape[3]:
+            raise ValueError(f"q's head dim is {q.shape[3]} but the cache's head_dim is {k_pages.shape[3]}; q must "
+                             f"match the cache it reads")
+        if q.shape[1] != Hkv and not (enable_gqa and q.shape[1] % Hkv == 0):
+            fix = ("pass enable_gqa=True for grouped-query attention" if q.shape[1] % Hkv == 0 else
+                   "grouped-query attention needs a multiple of them")
+            raise ValueError(f"q has {q.shape[1]} heads and the cache {Hkv} kv heads; {fix}")
+    # empty stand-ins for k and v, so that q is checked against the cache as against keys
     plan.check_tensors(q, k_pages.new_empty((B, Hkv, 0, k_pages.shape[3])),
                        v_pages.new_empty((B, Hkv, 0, v_pages.shape[3])), enable_gqa)
     if torch.is_grad_enabled() and q.requires_grad:
@@ -199,10 +213,7 @@ def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_m
     if 0 in (B, Hq, Lq):
         return no_pairs_of(q, v_pages.shape[3])
     found = problem(q, (Hkv, capacity, D, v_pages.shape[3]), mask_mod, score_mod, scale, lens=True)
-    # pages [pages, page_size, Hkv, D]: the kernel's (b, h, n, d) strides are (page, head, row, d)
-    strides = tuple((t.stride(0), t.stride(2), t.stride(1), t.stride(3)) for t in (k_pages, v_pages))
-    return run(found, q, k_pages, v_pages, kv_lens=lens, page_table=page_table, slots=slots, page_size=page_size,
-               kv_strides=strides)
+    return run(found, q, k_pages, v_pages, kv_lens=lens, page_table=page_table, slots=slots, page_size=page_size)
 
 
 def no_pairs_of(q, dv: int):
@@ -247,25 +258,24 @@ def _strides(prefix: str, letters: str = "bhnd") -> tuple[str, ...]:
     return tuple(f"stride_{prefix}{c}" for c in letters)
 
 
-def run(problem: Decode, q, k, v, *, kv_lens=None, page_table=None, slots=None, page_size: int = 0,
-        kv_strides=None):
+def run(problem: Decode, q, k, v, *, kv_lens=None, page_table=None, slots=None, page_size: int = 0):
     """(out, lse) of a decoding problem. k and v are [B, Hkv, kv_cap, D] tensors, or with
-    page_table the cache's pages [pages, page_size, Hkv, D]; kv_strides then give their
-    (b: page, h, n: row in page, d) strides."""
+    page_table the cache's pages [pages, page_size, Hkv, D]."""
     dtype = q.dtype
-    q, k, v = interpreter_safe(q, k, v)
+    q, k, v = interpreter_safe(q, k, v)  # (a copy on the interpreter may have other strides)
     out = torch.empty((problem.B, problem.Hq, problem.Lq, problem.Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((problem.B, problem.Hq, problem.Lq), dtype=accumulator(q.dtype), device=q.device)
     variant = (kv_lens is not None, page_table is not None, slots is not None, page_size)
     launch = problem.launches.get(variant) or _plans(problem, *variant)
     values = dict(Q=q, K=k, V=v, Out=out, Lse=lse, KvLens=kv_lens, PageTable=page_table, Slots=slots)
     values.update(zip(_strides("q", "bhmd"), q.stride()))
-    k_strides, v_strides = kv_strides if kv_strides is not None else (k.stride(), v.stride())
-    values.update(zip(_strides("k"), k_strides))
-    values.update(zip(_strides("v"), v_strides))
+    for name, t in (("k", k), ("v", v)):
+        # pages [pages, page_size, Hkv, D]: the kernel's (b, h, n, d) strides are (page, head, row, d)
+        strides = (t.stride(0), t.stride(2), t.stride(1), t.stride(3)) if page_table is not None else t.stride()
+        values.update(zip(_strides(name), strides))
     values.update(zip(_strides("o", "bhmd"), out.stride()))
     if page_table is not None:
-        values["stride_pt"] = page_table.stride(0)
+        values["stride_pt"], values["num_slots"] = page_table.stride(0), page_table.shape[0]
     if problem.splits > 1:
         rows = problem.Lq * problem.group
         values["PartOut"] = torch.empty((problem.splits, problem.B * problem.Hkv, rows, padded(problem.Dv)),
@@ -285,9 +295,9 @@ def _plans(problem: Decode, lens: bool, paged: bool, slots: bool, page_size: int
     split = problem.splits > 1
     per_call = ["Q", "K", "V", "Out", "Lse", *_strides("q", "bhmd"), *_strides("k"), *_strides("v"),
                 *_strides("o", "bhmd")]
-    fixed = dict(PartOut=None, PartLse=None, KvLens=None, PageTable=None, Slots=None, stride_pt=0)
+    fixed = dict(PartOut=None, PartLse=None, KvLens=None, PageTable=None, Slots=None, stride_pt=0, num_slots=0)
     for name, wanted_here in (("PartOut", split), ("PartLse", split), ("KvLens", lens), ("PageTable", paged),
-                              ("stride_pt", paged), ("Slots", slots)):
+                              ("stride_pt", paged), ("num_slots", paged), ("Slots", slots)):
         if wanted_here:
             per_call.append(name)
             del fixed[name]

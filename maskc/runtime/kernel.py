@@ -82,11 +82,13 @@ class _Interpreted:
         return serialised
 
 
-def kernel_for(kind: str, mask, score, dtype: torch.dtype, device: torch.device) -> CompiledKernel:
-    """The `kind` ("fwd" or "bwd") kernel for traced mask and score, from memory, disk or
-    rendering. Tiles, head dims and dtypes (but float64's exact scores) are launch values:
-    they do not change the file."""
-    source = KernelSource.of(kind, mask, score, exact=dtype == torch.float64)
+def kernel_for(kind: str, mask, score, dtype: torch.dtype, device: torch.device,
+               grad_slots: tuple[int, ...] = ()) -> CompiledKernel:
+    """The `kind` (codegen.source.KINDS) kernel for traced mask and score, from memory, disk or
+    rendering; a backward computing the gradients of the captured tensors `grad_slots` is a
+    file of its own. Tiles, head dims and dtypes (but float64's exact scores) are launch
+    values: they do not change the file."""
+    source = KernelSource.of(kind, mask, score, exact=dtype == torch.float64, grad_slots=grad_slots)
     kernel = KERNELS.get(source)
     if kernel is not None:
         return kernel

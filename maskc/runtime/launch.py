@@ -206,7 +206,8 @@ def no_pairs(q, v):
 
 # -- backward --------------------------------------------------------------------------------
 def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem):
-    """dq, dk, dv from the gradients of out and of lse (either may be None: unused)."""
+    """dq, dk, dv and the gradients of problem.grad_tensors, from the gradients of out and of
+    lse (either may be None: unused)."""
     dtype = q.dtype
     d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
     q, k, v, out, d_out = interpreter_safe(q, k, v, out, d_out)
@@ -227,11 +228,15 @@ def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem):
         d_pad, dv_pad = padded(problem.D), padded(problem.Dv)
         tma = descriptors([(q, (1, 1, m, d_pad)), (k, (1, 1, n, d_pad)), (v, (1, 1, n, dv_pad)),
                            (d_out, (1, 1, m, dv_pad)), (dq, (1, 1, m, d_pad))])
+    # captured tensors' gradients, summed by the dQ kernel as integers in units of 2**-32
+    sums = [torch.zeros(t.shape, dtype=torch.int64, device=q.device) for t in problem.grad_tensors]
     launches["dq", tma is not None](*(tma or (q, k, v, d_out, dq)), lse, delta, *q.stride(), *k.stride(),
-                                    *v.stride(), *d_out.stride(), *dq.stride())
+                                    *v.stride(), *d_out.stride(), *dq.stride(),
+                                    *(x for g in sums for x in (g, *g.stride())))
     launches["dkdv"](q, k, v, d_out, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *d_out.stride(),
                      *dk.stride(), *dv.stride())
-    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+    grads = [(g.double() * 2.0 ** -32).to(t.dtype) for g, t in zip(sums, problem.grad_tensors)]
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype), *grads
 
 
 def _backward_plans(problem: Problem) -> dict:
@@ -248,9 +253,11 @@ def _backward_plans(problem: Problem) -> dict:
              BLOCK_M=config.dq.block_m, ACC=sizes["ACC"]), _DELTA_CALL, {})}
     dq_fixed = dict(**shared, **_map_args(problem, config.dq), BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n,
                     EVEN=problem.Lkv % config.dq.block_n == 0)
+    grads = tuple(name for slot, t in zip(problem.grad_slots, problem.grad_tensors)
+                  for name in (f"G{slot}", *(f"G{slot}_stride{d}" for d in range(t.dim()))))
     for tma in (False, True):
         plans["dq", tma] = LaunchPlan(kernel, "attention_bwd_dq", interpret, (n_q, problem.B * problem.Hq),
-                                      dict(**dq_fixed, TMA=tma), _DQ_CALL, _options(config.dq))
+                                      dict(**dq_fixed, TMA=tma), _DQ_CALL + grads, _options(config.dq))
     plans["dkdv"] = LaunchPlan(
         kernel, "attention_bwd_dkdv", interpret, (-(-problem.Lkv // config.dkdv.block_n), problem.B * problem.Hkv),
         dict(**shared, **_map_args(problem, config.dkdv, transposed=True), BLOCK_M=config.dkdv.block_m,

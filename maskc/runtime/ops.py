@@ -89,6 +89,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, s
         problem = plan.given(q, k, v, mask, score, scale, block_map)
     else:
         problem = plan.planned(q, k, v, mask, score, scale, launch.seconds)
+    if problem.grad_slots:
+        raise NotImplementedError("under torch.compile, maskc does not compute gradients of captured tensors yet "
+                                  "(eager calls do); detach them inside the compiled code, or call maskc eagerly")
     out, lse = launch.forward(q, k, v, problem)
     return out, lse, torch.tensor(_token(problem))
 

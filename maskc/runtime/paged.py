@@ -43,8 +43,16 @@ class CacheFullError(MaskcError, RuntimeError):
     """An append needed more pages than were free, or more tokens than a slot can hold."""
 
 
+# A slot's default capacity in tokens. Attention over the cache builds its mask's block map over
+# capacity × capacity positions once per mask (maskc/runtime/decode.py), so a capacity of a
+# whole large pool by default would cost seconds and gigabytes on the first call; pass
+# max_pages_per_seq for longer sequences.
+DEFAULT_CAPACITY = 131072
+
+
 class PagedKVCache:
-    """A paged KV cache for `max_seqs` sequences (slots) sharing `num_pages` pages.
+    """A paged KV cache for `max_seqs` sequences (slots) sharing `num_pages` pages, each slot
+    holding up to max_pages_per_seq pages (default: 131072 tokens' worth, or every page).
 
     append() writes new tokens after each slot's current length, taking the pages it needs
     from a free stack on the device, without waiting for the device; free() gives a slot's
@@ -322,10 +330,12 @@ def _check_positive(name: str, value) -> None:
 
 
 def _check_layout(num_pages: int, page_size: int, max_seqs: int, max_pages_per_seq: int | None) -> int:
-    """max_pages_per_seq, num_pages by default, once the sizes are checked."""
+    """max_pages_per_seq once the sizes are checked: by default the pages of DEFAULT_CAPACITY
+    tokens, or all of them where there are fewer."""
     for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs)):
         _check_positive(name, value)
-    max_pages_per_seq = num_pages if max_pages_per_seq is None else max_pages_per_seq
+    if max_pages_per_seq is None:
+        max_pages_per_seq = min(num_pages, -(-DEFAULT_CAPACITY // page_size))
     _check_positive("max_pages_per_seq", max_pages_per_seq)
     if page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two, got {page_size}; pass 1, 16, 64, 128, ...")

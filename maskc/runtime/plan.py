@@ -91,6 +91,8 @@ class Problem:
     block_map: BlockMap  # the one map of the call, at tiles.sparse
     forward_kernel: CompiledKernel
     captured: dict  # kernel argument name -> captured tensor, its strides and sizes, or parameter value
+    grad_slots: tuple[int, ...]  # captured tensors whose gradients the backward computes
+    grad_tensors: tuple  # those tensors
     launches: dict = field(default_factory=dict)  # LaunchPlans by kernel and variant, built on first use
 
     @property
@@ -106,19 +108,19 @@ class Problem:
         return self.Hq != self.Hkv
 
     def backward_kernel(self) -> CompiledKernel:
-        return kernel_for("bwd", self.mask, self.score, self.dtype, self.device)
+        return kernel_for("bwd", self.mask, self.score, self.dtype, self.device, grad_slots=self.grad_slots)
 
 
 def planned(q, k, v, mask, score, scale, time_forward) -> Problem:
     """The Problem of a call without a block map, remembered by everything it depends on.
     `time_forward(q, k, v, problem)` times a candidate where autotuning is on."""
     traces = traces_of(mask, score)
-    check_captured(traces, q.device)
+    grads = check_captured(traces, q.device)
     # Keyed by the traces themselves: a mod re-traced (a global it read changed) gives a new
     # Traced, so a new plan with the new values. A cached plan holds its traces, so their ids
     # are not reused while the key lives.
     key = (*map(id, traces), q.dtype, q.device, q.shape, k.shape, v.shape[3], scale,
-           tuple(x._version for t in traces if t is not None for x in t.tensors), tiles.override_key())
+           tuple(x._version for t in traces if t is not None for x in t.tensors), grads, tiles.override_key())
     problem = PLANS.get(key)
     if problem is None:
         forward = None
@@ -128,7 +130,7 @@ def planned(q, k, v, mask, score, scale, time_forward) -> Problem:
                 forward = autotune.tuned(
                     _tuning_key(q, k, v, *traces), candidates,
                     lambda c: time_forward(q, k, v, problem_of(q, k, v, mask, score, scale, traces, forward=c)))
-        problem = problem_of(q, k, v, mask, score, scale, traces, forward=forward)
+        problem = problem_of(q, k, v, mask, score, scale, traces, forward=forward, grad_slots=grads)
         PLANS.put(key, problem)
     return problem
 
@@ -136,17 +138,17 @@ def planned(q, k, v, mask, score, scale, time_forward) -> Problem:
 def given(q, k, v, mask, score, scale, block_map: BlockMap) -> Problem:
     """The Problem of a call given a block map, after checking the map was built for it."""
     traces = traces_of(mask, score)
-    check_captured(traces, q.device)
+    grads = check_captured(traces, q.device)
     check_block_map(block_map, mask, traces[0], q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
-    return problem_of(q, k, v, mask, score, scale, traces, block_map=block_map)
+    return problem_of(q, k, v, mask, score, scale, traces, block_map=block_map, grad_slots=grads)
 
 
 def problem_of(q, k, v, mask, score, scale, traces, *, block_map: BlockMap | None = None,
-               forward: tiles.TileConfig | None = None) -> Problem:
+               forward: tiles.TileConfig | None = None, grad_slots: tuple[int, ...] = ()) -> Problem:
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     m, s = traces
-    chosen = tiles.choose(D, q.device.type, q.element_size(), forward=forward,
+    chosen = tiles.choose(D, q.device.type, q.element_size(), forward=forward, captured_grads=bool(grad_slots),
                           block_map_size=block_map.block_size if block_map is not None else None)
     kernel = kernel_for("fwd", m, s, q.dtype, q.device)
     if block_map is None:
@@ -157,7 +159,8 @@ def problem_of(q, k, v, mask, score, scale, traces, *, block_map: BlockMap | Non
         captured.update(zip(tensor_args(slot, t.dim()), (t, *t.stride(), *t.shape)))
     captured.update((f"p{i}", p.value) for i, p in enumerate(params))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    return Problem(mask, m, s, scale, B, Hq, Hkv, Lq, Lkv, D, Dv, q.dtype, chosen, block_map, kernel, captured)
+    return Problem(mask, m, s, scale, B, Hq, Hkv, Lq, Lkv, D, Dv, q.dtype, chosen, block_map, kernel, captured,
+                   grad_slots, tuple(tensors[i] for i in grad_slots))
 
 
 def mask_of_call(mask, block_map):
@@ -253,16 +256,34 @@ def check_head_dims(head_dim: int, head_dim_v: int, names=("q/k head dim", "v he
                              f"pad or split the heads")
 
 
-def check_captured(traces, device):
+def check_captured(traces, device, *, gradients: bool = True) -> tuple[int, ...]:
+    """Check the captured tensors of `traces` (mask, score) and return the slots (the mask's
+    tensors numbered first, as codegen's merge numbers them) whose gradients the backward
+    computes: the score mod's tensors that require grad while grad mode is on. `gradients`:
+    the call can compute them (decoding cannot)."""
+    slots, slot = [], 0
     for t in (t for t in traces if t is not None):
         for i, tensor in enumerate(t.tensors):
             if tensor.device != device:
                 raise ValueError(f"{t.kind} '{t.name}' captured tensor #{i} lives on {tensor.device} but q is on "
                                  f"{device}; move the captured tensor to {device}")
             if tensor.requires_grad and torch.is_grad_enabled():
-                raise NotImplementedError(f"{t.kind} '{t.name}' captured tensor #{i} requires grad, but maskc does "
-                                          f"not compute gradients of captured tensors yet; detach it, or keep the "
-                                          f"learnable bias outside maskc")
+                if not gradients:
+                    raise NotImplementedError(f"{t.kind} '{t.name}' captured tensor #{i} requires grad, but decoding "
+                                              f"(kv_lens, paged_attention) computes no gradients; detach it, or run "
+                                              f"under torch.no_grad()")
+                if t.kind == "mask_mod":
+                    raise ValueError(f"mask_mod '{t.name}' captured tensor #{i} requires grad, but a mask's values only "
+                                     f"choose which pairs are kept and have no gradient; detach it")
+                slots.append(slot)
+            slot += 1
+    return tuple(slots)
+
+
+def captured_need_grad(mask, score) -> bool:
+    """Whether the call must compute gradients of a tensor the mods capture."""
+    return torch.is_grad_enabled() and any(x.requires_grad for mod in (mask, score) if mod is not None
+                                           for x in mod.traced.tensors)
 
 
 def check_block_map(bm: BlockMap, mask, traced, B: int, Hq: int, Lq: int, Lkv: int, device) -> None:
@@ -309,5 +330,5 @@ def _values(traced) -> str:
     return ", ".join(f"{p.origin}={p.value}" for p in traced.params)
 
 
-__all__ = ["BLOCK_MAPS", "PLANS", "Problem", "Slots", "cached_block_map", "check_block_map", "check_captured",
+__all__ = ["BLOCK_MAPS", "PLANS", "Problem", "Slots", "cached_block_map", "captured_need_grad", "check_block_map", "check_captured",
            "check_head_dims", "check_tensors", "given", "mask_of_call", "planned", "problem_of", "traces_of"]

@@ -90,7 +90,7 @@ def decode_reference(q, k, v, kv_lens, mask_mod=None, score_mod=None, scale=None
     gives out 0 and lse -inf."""
     B, Hq, Lq, D = q.shape
     Lkv = k.shape[2]
-    lens = [int(n) for n in kv_lens]
+    lens = [min(max(int(n), 0), Lkv) for n in kv_lens]  # as the kernel clamps them
     placed = q.new_zeros((B, Hq, Lkv, D))
     for b, n in enumerate(lens):
         first = max(n - Lq, 0)

@@ -1,0 +1,143 @@
+"""Gradients of captured tensors: learnable ALiBi slopes, relative-position bias tables, per-head
+scalars, row and column biases, computed by the backward kernel (d(score_mod)/d(element) from
+sympy) and checked against float64 autograd through the dense reference."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import maskc
+from maskc.testing import attention_reference
+
+KINDS = ("alibi", "relative", "relative_per_head", "softcap_per_head", "row_and_column", "scalar")
+
+
+def _learnable(kind: str, H: int, Lq: int, Lkv: int, gen):
+    """(tensors, score_mod(tensors)): the mod reads the tensors it is given, so the same code
+    builds maskc's mod and the float64 reference's."""
+    if kind == "alibi":
+        tensors = (torch.rand(H, generator=gen),)
+        return tensors, lambda t: lambda score, b, h, q_idx, kv_idx: score + t[0][h] * (kv_idx - q_idx)
+    if kind == "relative":
+        tensors = (torch.randn(Lq + Lkv - 1, generator=gen),)
+        return tensors, lambda t: lambda score, b, h, q_idx, kv_idx: score + t[0][q_idx - kv_idx + Lkv - 1]
+    if kind == "relative_per_head":
+        tensors = (torch.randn(H, Lq + Lkv - 1, generator=gen),)
+        return tensors, lambda t: lambda score, b, h, q_idx, kv_idx: score + t[0][h, q_idx - kv_idx + Lkv - 1]
+    if kind == "softcap_per_head":
+        tensors = (1.0 + 4 * torch.rand(H, generator=gen),)
+        return tensors, lambda t: lambda score, b, h, q_idx, kv_idx: t[0][h] * torch.tanh(score / t[0][h])
+    if kind == "row_and_column":
+        tensors = (torch.randn(Lq, generator=gen), torch.randn(Lkv, generator=gen))
+        return tensors, lambda t: lambda score, b, h, q_idx, kv_idx: score * 0.5 + t[0][q_idx] + t[1][kv_idx]
+    tensors = (torch.tensor(0.7),)
+    return tensors, lambda t: lambda score, b, h, q_idx, kv_idx: score * t[0]
+
+
+@st.composite
+def cases(draw):
+    B, h_kv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    H = h_kv * draw(st.sampled_from((1, 2, 3)))
+    Lq, Lkv = draw(st.integers(1, 48)), draw(st.integers(1, 48))
+    D = draw(st.sampled_from((16, 32)))
+    dtype = draw(st.sampled_from((torch.float32, torch.float16, torch.bfloat16)))
+    mask = draw(st.sampled_from((None, maskc.masks.causal, maskc.masks.sliding_window(9))))
+    kind = draw(st.sampled_from(KINDS))
+    seed = draw(st.integers(0, 2**31))
+    return B, H, h_kv, Lq, Lkv, D, dtype, mask, kind, seed
+
+
+def _grads(q, k, v, tensors, mod, mask, d_out, **kw):
+    out = maskc.compiled_attention(q, k, v, mask_mod=mask, score_mod=maskc.score_mod(mod(tensors)),
+                                   enable_gqa=True, **kw)
+    return torch.autograd.grad(out, (q, k, v, *tensors), d_out)
+
+
+@settings(deadline=None, max_examples=20, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_captured_gradients_match_float64_autograd(case):
+    B, H, h_kv, Lq, Lkv, D, dtype, mask, kind, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    tensors, mod = _learnable(kind, H, Lq, Lkv, gen)
+    tensors = tuple(t.requires_grad_() for t in tensors)
+    q, k, v = (torch.randn(shape, generator=gen).to(dtype).requires_grad_()
+               for shape in ((B, H, Lq, D), (B, h_kv, Lkv, D), (B, h_kv, Lkv, D)))
+    d_out = torch.randn(B, H, Lq, D, generator=gen).to(dtype)
+    got = _grads(q, k, v, tensors, mod, mask, d_out)
+    exact = tuple(t.detach().double().requires_grad_() for t in (q, k, v, *tensors))
+    ref, _ = attention_reference(*exact[:3], mask, mod(exact[3:]), enable_gqa=True)
+    want = torch.autograd.grad(ref, exact, d_out.double(), allow_unused=True)
+    tolerance = 2e-2 if dtype != torch.float32 else 1e-4
+    for name, a, b in zip(("q", "k", "v", *(f"captured #{i}" for i in range(len(tensors)))), got, want):
+        b = torch.zeros_like(a, dtype=torch.float64) if b is None else b
+        error = (a.double() - b).abs().max().item() / max(b.abs().max().item(), 1.0)
+        assert error < tolerance, f"{kind}: gradient of {name} off by {error:.2e} (relative to max(|grad|, 1))"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradcheck_in_float64(kind):
+    gen = torch.Generator().manual_seed(0)
+    tensors, mod = _learnable(kind, 2, 5, 7, gen)
+    tensors = tuple(t.double().requires_grad_() for t in tensors)
+    # q, k and v's gradients have their own gradchecks (tests/test_backward.py); here only the
+    # captured tensors vary, which keeps the finite differences few
+    q, k, v = (torch.randn(shape, generator=gen, dtype=torch.float64)
+               for shape in ((1, 2, 5, 16), (1, 2, 7, 16), (1, 2, 7, 16)))
+
+    def attend(*tensors):
+        return maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal, score_mod=maskc.score_mod(mod(tensors)))
+
+    assert torch.autograd.gradcheck(attend, tensors, atol=1e-6, rtol=1e-5, fast_mode=True)
+
+
+def test_captured_gradients_are_deterministic():
+    gen = torch.Generator().manual_seed(1)
+    tensors, mod = _learnable("relative_per_head", 4, 60, 60, gen)
+    tensors = tuple(t.requires_grad_() for t in tensors)
+    q, k, v = (torch.randn(2, 4, 60, 32, generator=gen, requires_grad=True) for _ in range(3))
+    d_out = torch.randn(2, 4, 60, 32, generator=gen)
+    first = _grads(q, k, v, tensors, mod, maskc.masks.causal, d_out)
+    second = _grads(q, k, v, tensors, mod, maskc.masks.causal, d_out)
+    assert all(torch.equal(a, b) for a, b in zip(first[3:], second[3:]))
+
+
+def test_gradients_accumulate_into_the_captured_tensor_without_q_k_v_gradients():
+    """A learnable bias gets .grad from backward() even where q, k and v need none."""
+    slopes = torch.rand(2, requires_grad=True)
+
+    @maskc.score_mod
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    q, k, v = (torch.randn(1, 2, 3, 16) for _ in range(3))  # 3 query rows: decoding unless gradients are wanted
+    maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal, score_mod=alibi).sum().backward()
+    first = slopes.grad.clone()
+    maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal, score_mod=alibi).sum().backward()
+    torch.testing.assert_close(slopes.grad, 2 * first)
+
+
+def test_what_has_no_gradient_is_refused_with_the_rule():
+    ids = torch.zeros(8).requires_grad_()
+
+    @maskc.mask_mod
+    def same(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    q, k, v = (torch.randn(1, 1, 8, 16) for _ in range(3))
+    with pytest.raises(ValueError, match="a mask's values only choose which pairs are kept"):
+        maskc.compiled_attention(q, k, v, mask_mod=same)
+    bias = torch.zeros(8, requires_grad=True)
+
+    @maskc.score_mod
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+
+    with pytest.raises(NotImplementedError, match="runs without gradients.*captured tensors"):
+        maskc.compiled_attention(q, k, v, score_mod=biased, kv_lens=torch.tensor([8]))
+
+    @maskc.score_mod
+    def rounded(score, b, h, q_idx, kv_idx):
+        return score + torch.floor(bias[kv_idx])
+
+    with pytest.raises(maskc.MaskcError, match="not differentiable in its captured tensor element"):
+        maskc.compiled_attention(q, k, v, score_mod=rounded).sum().backward()
