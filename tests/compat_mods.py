@@ -541,7 +541,8 @@ def from_test_head_bias_req_grad(requires_grad=True):
 
 # test_comparison_vs_sdpa_with_learnable_bias runs five mods in turn, rebinding bias_flex between
 # them; one function per block here, so each mod keeps its own bias. The test's biases require
-# grad, which maskc does not support yet (README), so these do not.
+# grad; these do not (the forward is what they check here; test_head_bias_req_grad's bias checks
+# a captured tensor's gradient).
 def from_test_comparison_vs_sdpa_with_learnable_bias_1d():
     # 1-dimensional bias:
     bias = torch.randn(2 * S, device=test_device, dtype=torch.float16)

@@ -99,12 +99,16 @@ def test_gqa_gradients_sum_over_the_group():
         assert_close_to_reference(got, want, torch.float32)
 
 
-def test_captured_tensor_requiring_grad_is_refused():
-    table = torch.zeros(64, requires_grad=True)
-    bias = scores.relative_bias(table, offset=31)
-    q, k, v = (torch.randn(1, 1, 16, 16, requires_grad=True) for _ in range(3))
-    with pytest.raises(NotImplementedError, match="requires grad"):
-        maskc.compiled_attention(q, k, v, score_mod=bias)
+def test_relative_bias_table_requiring_grad_gets_its_gradient():
+    """maskc.scores.relative_bias over a learnable table (tests/test_captured_grads.py has the rest)."""
+    table = torch.randn(64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    q, k, v = (torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(s)) for s in range(3))
+    out = maskc.compiled_attention(q, k, v, score_mod=scores.relative_bias(table, offset=31))
+    (got,) = torch.autograd.grad(out.sum(), table)
+    exact = table.detach().double().requires_grad_()
+    ref, _ = attention_reference(q.double(), k.double(), v.double(), score_mod=scores.relative_bias(exact, offset=31))
+    (want,) = torch.autograd.grad(ref.sum(), exact)
+    assert_close_to_reference(got, want, torch.float32, "d table")
 
 
 @pytest.fixture

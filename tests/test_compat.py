@@ -463,12 +463,22 @@ def test_refused(case_id):
         maskc.compiled_attention(q, k, v, **{kind: fn})
 
 
-def test_captured_tensor_requiring_grad_is_refused():
-    """test_head_bias_req_grad's bias requires grad; maskc does not compute its gradient yet (README)."""
+def test_captured_tensor_requiring_grad_gets_its_gradient():
+    """test_head_bias_req_grad's bias (float16, one per head) requires grad: maskc's backward
+    gives its gradient, as float64 autograd through the reference does."""
     head_bias = fx.from_test_head_bias_req_grad(requires_grad=True)
-    q, k, v, _ = _inputs(Case("req_grad", None))
-    with pytest.raises(NotImplementedError, match="requires grad"):
-        maskc.compiled_attention(q.requires_grad_(), k, v, score_mod=head_bias)
+    bias = dict(zip(head_bias.__code__.co_freevars, (c.cell_contents for c in head_bias.__closure__)))["bias_flex"]
+    q, k, v, do = _inputs(Case("req_grad", None))
+    q.requires_grad_()
+    out = maskc.compiled_attention(q, k, v, score_mod=head_bias)
+    got_q, got_bias = torch.autograd.grad(out, (q, bias), do)
+    exact = bias.detach().double().requires_grad_()
+    q64 = q.detach().double().requires_grad_()
+    ref, _ = attention_reference(q64, k.double(), v.double(), score_mod=lambda s, b, h, qi, kv: s + exact[h])
+    want_q, want_bias = torch.autograd.grad(ref, (q64, exact), do.double())
+    assert got_bias.dtype == bias.dtype
+    _close(got_q, want_q, "dq")
+    _close(got_bias.float(), want_bias, "d bias")
 
 
 # -- closures rebound between calls, as the Flex tests do --------------------------------------------
