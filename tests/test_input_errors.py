@@ -215,13 +215,19 @@ def test_compile_rejects_tile_sizes_not_powers_of_two():
 
 
 # -- autograd -------------------------------------------------------------------------------
-def test_captured_tensor_requiring_grad():
-    slopes = torch.ones(2, requires_grad=True)
+def test_mask_captured_tensor_requiring_grad():
+    """A score mod's captured tensor that requires grad gets its gradient
+    (tests/test_captured_grads.py); a mask's is refused: its values only choose pairs."""
     q, k, v = _qkv()
-    _raises(NotImplementedError, ["captured tensor", "grad", "alibi"], attention, q, k, v,
-            score_mod=scores.alibi(slopes))
+    ids = torch.zeros(q.shape[2]).requires_grad_()
+
+    @maskc.mask_mod
+    def document(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    _raises(ValueError, ["captured tensor", "grad", "document", "detach"], attention, q, k, v, mask_mod=document)
     with torch.no_grad():
-        attention(q, k, v, score_mod=scores.alibi(slopes))  # no gradient asked: fine
+        attention(q, k, v, mask_mod=document)  # no gradient asked: fine
 
 
 # -- mods -----------------------------------------------------------------------------------

@@ -80,14 +80,16 @@ def render(spec: KernelSource, templates: str | None = None) -> Rendered:
 
 
 # NOTE: CPython 3.11's ast.parse is not thread-safe ("AST constructor recursion depth mismatch",
-# python/cpython#106905): threads rendering or reading kernels at once take turns.
-_PARSING = threading.Lock()
+# python/cpython#106905). Everything in maskc that parses Python takes turns on this lock: this
+# module's `parameters`, the loader importing a kernel file (Triton parses @triton.jit
+# functions) and interpreted launches (Triton's interpreter rewrites the kernel's AST).
+AST_LOCK = threading.RLock()
 
 
 def parameters(text: str) -> dict[str, tuple[str, ...]]:
     """The parameter names of each top-level function in a kernel file's text, in order (a
     cached file read from disk gives them as a fresh rendering would)."""
-    with _PARSING:
+    with AST_LOCK:
         tree = ast.parse(text)
     return {f.name: tuple(a.arg for a in f.args.args) for f in tree.body if isinstance(f, ast.FunctionDef)}
 
@@ -259,4 +261,4 @@ def _piecewise(branches):
     return sympy.Basic.__new__(sympy.Piecewise, *pairs)
 
 
-__all__ = ["Rendered", "codegen_hash", "parameters", "render", "score_derivative"]
+__all__ = ["AST_LOCK", "Rendered", "codegen_hash", "parameters", "render", "score_derivative"]

@@ -1,7 +1,6 @@
 """CompiledKernel: a generated kernel file, found in memory or on disk, or rendered."""
 from __future__ import annotations
 
-import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +12,7 @@ from triton.runtime.errors import InterpreterError
 
 from maskc._version import __version__
 from maskc.codegen.printer import describe
-from maskc.codegen.render import KERNEL_NAMES, codegen_hash, parameters, render
+from maskc.codegen.render import AST_LOCK, KERNEL_NAMES, codegen_hash, parameters, render
 from maskc.codegen.source import KernelSource
 from maskc.runtime import loader
 from maskc.runtime.cache import KERNELS
@@ -21,9 +20,9 @@ from maskc.runtime.cache import KERNELS
 # NOTE: Triton's interpreter (3.9) patches triton.language's builtins for the length of a
 # launch and restores them after, and keeps the grid position in one global builder, so two
 # threads interpreting at once undo each other's patches mid-kernel (InterpreterError, 20-40%
-# of calls with two threads). Interpreted launches take turns on this lock; compiled CUDA
-# launches do not take it.
-_INTERPRETER = threading.Lock()
+# of calls with two threads). Interpreted launches take turns on this lock, which is also the
+# one Python parsing takes (codegen/render.py); compiled CUDA launches do not take it.
+_INTERPRETER = AST_LOCK
 _NUMPY = tuple(int(part) for part in np.__version__.split(".")[:2])
 
 

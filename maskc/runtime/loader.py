@@ -27,6 +27,7 @@ from pathlib import Path
 import triton
 import triton.runtime.cache
 
+from maskc.codegen.render import AST_LOCK
 from maskc.runtime.cache import write_atomic
 from maskc.settings import cache_dir, triton_key_shortcut
 
@@ -38,7 +39,7 @@ def load(path: Path, *, interpret: bool):
     name = f"maskc_generated.{path.stem}{'_interp' if interpret else ''}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    with _LOCK:
+    with _LOCK, AST_LOCK:
         if not interpret:
             _WARM_UP.join()
         saved = os.environ.get("TRITON_INTERPRET")
