@@ -255,3 +255,23 @@ def test_decoding_operators_pass_opcheck():
     torch.library.opcheck(torch.ops.maskc.paged_attention.default,
                           (q, cache.k_pages, cache.v_pages, cache.page_table, cache.lens, slots, 16, masks.causal.key,
                            "", None, True))
+
+
+def test_captured_tensor_requiring_grad_is_refused_under_compile():
+    """The operators have no autograd inputs for captured tensors: a gradient would be missing, so
+    tracing a backward refuses it; under no_grad the same code compiles. (Where q, k and v need
+    no gradient the operator records no backward and the captured gradient is missing: the
+    closing note names the gap.)"""
+    slopes = torch.rand(HEADS, requires_grad=True)
+
+    @maskc.score_mod
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    attend = torch.compile(lambda q: maskc.compiled_attention(q, q, q, mask_mod=masks.causal, score_mod=alibi),
+                           backend="aot_eager", fullgraph=True)
+    q = torch.randn(1, HEADS, L, DIM)
+    with pytest.raises(Exception, match="captures a tensor that requires grad"):
+        attend(q.requires_grad_())
+    with torch.no_grad():
+        assert attend(q).shape == q.shape

@@ -22,12 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 from maskc.analysis.blockmap import BlockMap
-from maskc.codegen.printer import tensor_args
-from maskc.codegen.source import merge
 from maskc.runtime import plan, tiles
 from maskc.runtime.dtypes import accumulator, dot_precision, interpreter_safe, triton_accumulator
 from maskc.runtime.kernel import CompiledKernel, kernel_for
-from maskc.runtime.launch import LaunchPlan
+from maskc.runtime.launch import LaunchPlan, no_pairs
 from maskc.runtime.tiles import TileConfig, padded
 
 # compiled_attention decodes where no gradient is wanted and Lq · (Hq / Hkv) is at most this:
@@ -114,13 +112,9 @@ def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: B
     rows = B * Hkv * -(-Lq * (Hq // Hkv) // config.block_m)
     splits = tiles.decode_splits() or choose_splits(rows, -(-widest // config.block_n), q.device)
     config = tiles.decode_config(D, q.device.type, Lq * (Hq // Hkv), split=splits > 1)
-    _, _, tensors, params = merge(m, s)
-    captured = {}
-    for slot, t in enumerate(tensors):
-        captured.update(zip(tensor_args(slot, t.dim()), (t, *t.stride(), *t.shape)))
-    captured.update((f"p{i}", p.value) for i, p in enumerate(params))
     found = Decode(m, s, 1.0 / math.sqrt(D) if scale is None else float(scale), B, Hq, Hkv, Lq, kv_cap, D, Dv,
-                   q.dtype, config, block_map, kernel_for("dec", m, s, q.dtype, q.device), captured, tables, splits)
+                   q.dtype, config, block_map, kernel_for("dec", m, s, q.dtype, q.device), plan.captured_args(m, s)[0], tables,
+                   splits)
     DECODES.put(key, found)
     return found
 
@@ -211,15 +205,9 @@ def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_m
         raise ValueError(f"q has {Lq} queries but a sequence of this cache holds at most {capacity} tokens; "
                          f"make the cache's max_pages_per_seq larger")
     if 0 in (B, Hq, Lq):
-        return no_pairs_of(q, v_pages.shape[3])
+        return no_pairs(q, v_pages)  # (reads v's last dim: the pages' Dv)
     found = problem(q, (Hkv, capacity, D, v_pages.shape[3]), mask_mod, score_mod, scale, lens=True)
     return run(found, q, k_pages, v_pages, kv_lens=lens, page_table=page_table, slots=slots, page_size=page_size)
-
-
-def no_pairs_of(q, dv: int):
-    B, Hq, Lq, _ = q.shape
-    out = q.new_zeros((B, Hq, Lq, dv))
-    return out, torch.full((B, Hq, Lq), float("-inf"), dtype=accumulator(q.dtype), device=q.device)
 
 
 def check_lens(kv_lens, q, k) -> torch.Tensor:
@@ -254,8 +242,8 @@ def check_slots(seq_ids, q) -> torch.Tensor:
 
 
 # -- launches --------------------------------------------------------------------------------
-def _strides(prefix: str, letters: str = "bhnd") -> tuple[str, ...]:
-    return tuple(f"stride_{prefix}{c}" for c in letters)
+# each tensor's stride parameters: q and out over (b, h, m, d), k and v over (b, h, n, d)
+_STRIDES = {name: tuple(f"stride_{name}{c}" for c in ("bhmd" if name in "qo" else "bhnd")) for name in "qkvo"}
 
 
 def run(problem: Decode, q, k, v, *, kv_lens=None, page_table=None, slots=None, page_size: int = 0):
@@ -268,12 +256,12 @@ def run(problem: Decode, q, k, v, *, kv_lens=None, page_table=None, slots=None, 
     variant = (kv_lens is not None, page_table is not None, slots is not None, page_size)
     launch = problem.launches.get(variant) or _plans(problem, *variant)
     values = dict(Q=q, K=k, V=v, Out=out, Lse=lse, KvLens=kv_lens, PageTable=page_table, Slots=slots)
-    values.update(zip(_strides("q", "bhmd"), q.stride()))
+    values.update(zip(_STRIDES["q"], q.stride()))
     for name, t in (("k", k), ("v", v)):
         # pages [pages, page_size, Hkv, D]: the kernel's (b, h, n, d) strides are (page, head, row, d)
         strides = (t.stride(0), t.stride(2), t.stride(1), t.stride(3)) if page_table is not None else t.stride()
-        values.update(zip(_strides(name), strides))
-    values.update(zip(_strides("o", "bhmd"), out.stride()))
+        values.update(zip(_STRIDES[name], strides))
+    values.update(zip(_STRIDES["o"], out.stride()))
     if page_table is not None:
         values["stride_pt"], values["num_slots"] = page_table.stride(0), page_table.shape[0]
     if problem.splits > 1:
@@ -293,8 +281,7 @@ def _plans(problem: Decode, lens: bool, paged: bool, slots: bool, page_size: int
     """The decoding launch (with its per-call parameter names) and the combine's, if any."""
     config = problem.config
     split = problem.splits > 1
-    per_call = ["Q", "K", "V", "Out", "Lse", *_strides("q", "bhmd"), *_strides("k"), *_strides("v"),
-                *_strides("o", "bhmd")]
+    per_call = ["Q", "K", "V", "Out", "Lse", *_STRIDES["q"], *_STRIDES["k"], *_STRIDES["v"], *_STRIDES["o"]]
     fixed = dict(PartOut=None, PartLse=None, KvLens=None, PageTable=None, Slots=None, stride_pt=0, num_slots=0)
     for name, wanted_here in (("PartOut", split), ("PartLse", split), ("KvLens", lens), ("PageTable", paged),
                               ("stride_pt", paged), ("num_slots", paged), ("Slots", slots)):
@@ -321,7 +308,7 @@ def _plans(problem: Decode, lens: bool, paged: bool, slots: bool, page_size: int
             dict(num_kv_heads=problem.Hkv, q_len=problem.Lq, GROUP=problem.group, HEAD_DIM_V=problem.Dv,
                  DV_PAD=padded(problem.Dv), BLOCK_M=config.block_m, num_splits=problem.splits,
                  SPLITS_PAD=max(2, 1 << (problem.splits - 1).bit_length()), ACC=acc),
-            ("Out", "Lse", "PartOut", "PartLse", *_strides("o", "bhmd")), dict(num_warps=4))
+            ("Out", "Lse", "PartOut", "PartLse", *_STRIDES["o"]), dict(num_warps=4))
     problem.launches[(lens, paged, slots, page_size)] = plan_ = (decode, tuple(per_call), combine)
     return plan_
 

@@ -77,11 +77,8 @@ def _key(mod, kind, what: str) -> str:
 @torch.library.custom_op("maskc::attention", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, score_key: str, map_key: str,
              scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    mask, score, block_map = (_found(key, find) for key, find in ((mask_key, mod_of_key), (score_key, mod_of_key),
-                                                                   (map_key, BlockMap.of_key)))
+    mask, score, block_map, k, v = _inputs(mask_key, score_key, map_key, q, k, v)
     B, Hq, Lq, _ = q.shape
-    if k.shape[0] != B:
-        k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
     if 0 in (B, Hq, Lq, k.shape[2]):
         out, lse = launch.no_pairs(q, v)
         return out, lse, torch.tensor(_NO_PAIRS)
@@ -89,9 +86,6 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, s
         problem = plan.given(q, k, v, mask, score, scale, block_map)
     else:
         problem = plan.planned(q, k, v, mask, score, scale, launch.seconds)
-    if problem.grad_slots:
-        raise NotImplementedError("under torch.compile, maskc does not compute gradients of captured tensors yet "
-                                  "(eager calls do); detach them inside the compiled code, or call maskc eagerly")
     out, lse = launch.forward(q, k, v, problem)
     return out, lse, torch.tensor(_token(problem))
 
@@ -104,6 +98,25 @@ def _forward_fake(q, k, v, mask_key, score_key, map_key, scale, enable_gqa):
     out = q.new_empty((B, Hq, Lq, v.shape[3]))
     lse = q.new_empty((B, Hq, Lq), dtype=accumulator(q.dtype))
     return out, lse, torch.empty((), dtype=torch.int64)
+
+
+def _inputs(mask_key: str, score_key: str, map_key: str, q, k, v):
+    """The mods and map an operator names, and k and v over q's batch (views where shared)."""
+    mask, score, block_map = (_found(key, find) for key, find in ((mask_key, mod_of_key), (score_key, mod_of_key),
+                                                                   (map_key, BlockMap.of_key)))
+    if k.shape[0] != q.shape[0]:
+        k, v = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
+    return mask, score, block_map, k, v
+
+
+def _refuse_captured_gradients(*keys: str) -> None:
+    """The operators' autograd has no inputs for the mods' captured tensors, so a gradient they
+    need would be silently missing: refuse it where the graph records the operator's backward."""
+    for mod in (mod_of_key(key) for key in keys if key):
+        if mod is not None and any(t.requires_grad for t in mod.traced.tensors):
+            raise NotImplementedError(f"{mod.kind} '{mod.__name__}' captures a tensor that requires grad; under "
+                                      f"torch.compile maskc does not compute gradients of captured tensors yet (eager "
+                                      f"calls do): detach it inside the compiled code, or call maskc eagerly")
 
 
 def _token(problem) -> int:
@@ -147,11 +160,8 @@ def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_m
 @torch.library.custom_op("maskc::decode", mutates_args=())
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, mask_key: str, score_key: str,
             map_key: str, scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    mask, score, block_map = (_found(key, find) for key, find in ((mask_key, mod_of_key), (score_key, mod_of_key),
-                                                                   (map_key, BlockMap.of_key)))
+    mask, score, block_map, k, v = _inputs(mask_key, score_key, map_key, q, k, v)
     B, Hq, Lq, _ = q.shape
-    if k.shape[0] != B:
-        k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
     if 0 in (B, Hq, Lq, k.shape[2]):
         return launch.no_pairs(q, v)
     return decoding.contiguous(q, k, v, mask, score, scale, kv_lens, block_map)
@@ -211,6 +221,7 @@ def _backward_fake(q, k, v, out, lse, token, d_out, d_lse):
 
 
 def _setup_context(ctx, inputs, output):
+    _refuse_captured_gradients(inputs[3], inputs[4])  # mask_key, score_key
     q, k, v = inputs[:3]
     out, lse, token = output
     ctx.save_for_backward(q, k, v, out, lse, token)

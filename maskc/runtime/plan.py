@@ -153,14 +153,21 @@ def problem_of(q, k, v, mask, score, scale, traces, *, block_map: BlockMap | Non
     kernel = kernel_for("fwd", m, s, q.dtype, q.device)
     if block_map is None:
         block_map = cached_block_map(mask, m, Lq, Lkv, chosen.sparse, B, Hq, q.device)
-    _, _, tensors, params = merge(m, s)
-    captured = {}
-    for slot, t in enumerate(tensors):
-        captured.update(zip(tensor_args(slot, t.dim()), (t, *t.stride(), *t.shape)))
-    captured.update((f"p{i}", p.value) for i, p in enumerate(params))
+    captured, tensors = captured_args(m, s)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     return Problem(mask, m, s, scale, B, Hq, Hkv, Lq, Lkv, D, Dv, q.dtype, chosen, block_map, kernel, captured,
                    grad_slots, tuple(tensors[i] for i in grad_slots))
+
+
+def captured_args(mask, score) -> tuple[dict, tuple]:
+    """The kernels' arguments for the traces' captured tensors (each with its strides and sizes)
+    and parameters, by name, and the tensors in codegen's numbering."""
+    _, _, tensors, params = merge(mask, score)
+    args = {}
+    for slot, t in enumerate(tensors):
+        args.update(zip(tensor_args(slot, t.dim()), (t, *t.stride(), *t.shape)))
+    args.update((f"p{i}", p.value) for i, p in enumerate(params))
+    return args, tensors
 
 
 def mask_of_call(mask, block_map):
@@ -330,5 +337,5 @@ def _values(traced) -> str:
     return ", ".join(f"{p.origin}={p.value}" for p in traced.params)
 
 
-__all__ = ["BLOCK_MAPS", "PLANS", "Problem", "Slots", "cached_block_map", "captured_need_grad", "check_block_map", "check_captured",
+__all__ = ["BLOCK_MAPS", "PLANS", "Problem", "Slots", "cached_block_map", "captured_args", "captured_need_grad", "check_block_map", "check_captured",
            "check_head_dims", "check_tensors", "given", "mask_of_call", "planned", "problem_of", "traces_of"]
