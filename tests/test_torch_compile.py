@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 
 import maskc
 from maskc import masks, scores
+from maskc.testing import attention_reference
 
 L, DIM, HEADS = 48, 32, 2
 DOC_IDS = torch.tensor([0] * 20 + [1] * 17 + [2] * 11)
@@ -174,6 +175,28 @@ def test_another_mod_gets_its_own_graph():
         assert counter.frame_count == frames
 
 
+def test_a_new_block_map_of_the_same_shape_runs_the_same_graph():
+    # a map is a graph input (its handle tensor), not a constant: per-batch document maps
+    # rebuilt for new ids run one graph, and each call reads its own map's tiles
+    ids = DOC_IDS.clone()
+    document = masks.document(ids, causal=True)
+
+    def attend(q, block_map):
+        return maskc.compiled_attention(q, q, q, block_map=block_map)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(attend, backend=counter, fullgraph=True)
+    q = torch.randn(1, 2, L, 16, generator=torch.Generator().manual_seed(3))
+    for cuts in ((20, 37), (5, 44), (30, 31)):
+        ids.copy_(torch.bucketize(torch.arange(L), torch.tensor(cuts), right=True))
+        bm = maskc.block_map(document, L, L, block_size=16)
+        _assert_same(compiled(q, bm), attend(q, bm))
+        _assert_same(compiled(q, bm), attention_reference(q, q, q, mask_mod=document)[0].to(q.dtype))
+    assert counter.frame_count == 1 and _no_graph_breaks()
+    with pytest.raises(Exception, match="block_map was built for q_len=32"):
+        compiled(q, maskc.block_map(document, 32, 32, block_size=16))
+
+
 def test_no_pairs():
     q = torch.randn(1, 2, 0, 16, requires_grad=True)
     k = torch.randn(1, 2, 8, 16, requires_grad=True)
@@ -196,7 +219,7 @@ def test_operators_pass_opcheck():
     q, k, v = (torch.randn(1, 2, 24, 16, generator=torch.Generator().manual_seed(s), requires_grad=True)
                for s in range(3))
     softcap = scores.softcap(5.0)
-    keys = (masks.causal.key, softcap.key, "")
+    keys = (masks.causal.key, softcap.key, None)
     torch.library.opcheck(torch.ops.maskc.attention.default, (q, k, v, *keys, None, False))
     q, k, v = (t.detach() for t in (q, k, v))  # the backward has no backward of its own
     out, lse, token = torch.ops.maskc.attention(q, k, v, *keys, None, False)
@@ -248,7 +271,7 @@ def test_decoding_operators_pass_opcheck():
     q, k, v = torch.randn(1, 2, 2, 16, generator=gen), torch.randn(1, 1, 20, 16, generator=gen), \
         torch.randn(1, 1, 20, 16, generator=gen)
     lens = torch.tensor([11], dtype=torch.int32)
-    torch.library.opcheck(torch.ops.maskc.decode.default, (q, k, v, lens, masks.causal.key, "", "", None, True))
+    torch.library.opcheck(torch.ops.maskc.decode.default, (q, k, v, lens, masks.causal.key, "", None, None, True))
     cache = maskc.PagedKVCache(4, 16, 1, 16, dtype=torch.float32, max_seqs=2)
     slots = torch.tensor([1], dtype=torch.int32)
     cache.append(slots, k, v)

@@ -20,9 +20,9 @@ from maskc.analysis.rows import HostPieces
 from maskc.trace.mods import as_mask_mod
 
 _TABLES = ("_buffer", "full_offsets", "full_runs", "partial_offsets", "partial_runs")
-# Every map's key, for code that can pass only strings (maskc's torch operators): a map is found
-# by its key while it lives.
-_BY_KEY: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# Every map by its serial number, for maskc's torch operators, which name a call's map by its
+# handle (that number as a tensor): a map is found by its handle while it lives.
+_BY_SERIAL: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _SERIAL = itertools.count()
 _GLYPHS = {EMPTY: "·", PARTIAL: "░", FULL: "█"}
 _PICTURE_MAX = 64
@@ -58,13 +58,16 @@ class BlockMap:
         self._register()
 
     def _register(self) -> None:
-        self.key = f"{self.mask_name}#{next(_SERIAL)}"
-        _BY_KEY[self.key] = self
+        serial = next(_SERIAL)
+        # A tensor, not a string: a compiled graph takes it as an input, so a new map of the same
+        # shape runs the same graph, where a string would be a constant the graph is guarded on.
+        self.handle = torch.tensor(serial)
+        _BY_SERIAL[serial] = self
 
     @staticmethod
-    def of_key(key: str) -> "BlockMap | None":
-        """The map whose `key` this is, or None when it no longer lives."""
-        return _BY_KEY.get(key)
+    def of_handle(handle: torch.Tensor) -> "BlockMap | None":
+        """The map whose `handle` this is, or None when it no longer lives."""
+        return _BY_SERIAL.get(int(handle))
 
     def _set_views(self):
         """The four run tables as views of the one buffer: [full offsets | partial offsets |

@@ -2,10 +2,11 @@
 
 Dynamo must not trace maskc's Python (sympy tracing, plans, block maps, launches), and
 `fullgraph=True` allows no graph break, so under Dynamo compiled_attention calls `attention()`
-here, which Dynamo traces: it reads the keys of the call's MaskMod, ScoreMod and BlockMap
-(strings each got when it was built; maskc finds the object by its key while it lives), and
-the graph records one operator,
-`maskc::attention(q, k, v, mask_key, score_key, map_key, scale, enable_gqa) -> (out, lse, token)`.
+here, which Dynamo traces: it reads the keys of the call's MaskMod and ScoreMod (strings each
+got when it was built; maskc finds the object by its key while it lives) and the BlockMap's
+handle (its serial number as a tensor: a graph input, so a new map of the same shape runs the
+same graph), and the graph records one operator,
+`maskc::attention(q, k, v, mask_key, score_key, map_handle, scale, enable_gqa) -> (out, lse, token)`.
 (An earlier version named the call through `torch.compiler.assume_constant_result`, which
 torch 2.11's Dynamo refuses for arguments that are not constants.)
 
@@ -51,14 +52,14 @@ _counter = itertools.count()
 def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map):
     """(out, lse) of compiled_attention through the maskc operators; what Dynamo traces.
 
-    The mods and the map are named by their keys (strings, made when each was built), which
-    Dynamo reads as constants and guards: another mod or map compiles its own graph, while
-    their values are read by the operator when it runs. Plain functions have no key until
+    The mods are named by their keys (strings, made when each was built), which Dynamo reads
+    as constants and guards: another mod compiles its own graph, while their values are read
+    by the operator when it runs. The map is named by its handle, a tensor input. Plain functions have no key until
     maskc has traced them, which Dynamo must not trace: under torch.compile they must be
     MaskMods and ScoreMods (maskc.mask_mod, maskc.score_mod, maskc.masks, maskc.scores)."""
     mask_mod = plan.mask_of_call(mask_mod, block_map)
     keys = (_key(mask_mod, MaskMod, "mask_mod"), _key(score_mod, ScoreMod, "score_mod"),
-            block_map.key if block_map is not None else "")
+            block_map.handle if block_map is not None else None)
     out, lse, _ = torch.ops.maskc.attention(q, k, v, *keys, None if scale is None else float(scale), enable_gqa)
     return out, lse
 
@@ -75,9 +76,10 @@ def _key(mod, kind, what: str) -> str:
 
 # -- forward ---------------------------------------------------------------------------------
 @torch.library.custom_op("maskc::attention", mutates_args=())
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, score_key: str, map_key: str,
-             scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    mask, score, block_map, k, v = _inputs(mask_key, score_key, map_key, q, k, v)
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, score_key: str,
+             map_handle: torch.Tensor | None, scale: float | None,
+             enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mask, score, block_map, k, v = _inputs(mask_key, score_key, map_handle, q, k, v)
     B, Hq, Lq, _ = q.shape
     if 0 in (B, Hq, Lq, k.shape[2]):
         out, lse = launch.no_pairs(q, v)
@@ -91,7 +93,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, s
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, mask_key, score_key, map_key, scale, enable_gqa):
+def _forward_fake(q, k, v, mask_key, score_key, map_handle, scale, enable_gqa):
     # runs at trace time: wrong inputs fail there, with the eager call's errors
     plan.check_tensors(q, k, v, enable_gqa)
     B, Hq, Lq, _ = q.shape
@@ -100,10 +102,10 @@ def _forward_fake(q, k, v, mask_key, score_key, map_key, scale, enable_gqa):
     return out, lse, torch.empty((), dtype=torch.int64)
 
 
-def _inputs(mask_key: str, score_key: str, map_key: str, q, k, v):
+def _inputs(mask_key: str, score_key: str, map_handle, q, k, v):
     """The mods and map an operator names, and k and v over q's batch (views where shared)."""
-    mask, score, block_map = (_found(key, find) for key, find in ((mask_key, mod_of_key), (score_key, mod_of_key),
-                                                                   (map_key, BlockMap.of_key)))
+    mask, score = _found(mask_key, mod_of_key), _found(score_key, mod_of_key)
+    block_map = None if map_handle is None else _found(map_handle, BlockMap.of_handle)
     if k.shape[0] != q.shape[0]:
         k, v = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
     return mask, score, block_map, k, v
@@ -128,12 +130,13 @@ def _token(problem) -> int:
     return token
 
 
-def _found(key: str, find):
-    if not key:
+def _found(key, find):
+    if isinstance(key, str) and not key:
         return None
     found = find(key)
     if found is None:
-        raise RuntimeError(f"maskc::attention names '{key}', which no longer lives in this process (or never did): "
+        key = f"block map #{int(key)}" if isinstance(key, torch.Tensor) else f"'{key}'"
+        raise RuntimeError(f"maskc::attention names {key}, which no longer lives in this process (or never did): "
                            f"the operator is recorded by compiled_attention under torch.compile for mods and maps "
                            f"that the compiled code keeps alive, not called directly")
     return found
@@ -144,7 +147,7 @@ def decode(q, k, v, kv_lens, mask_mod, score_mod, scale, enable_gqa: bool, block
     """(out, lse) of compiled_attention with kv_lens through `maskc::decode`, as `attention`."""
     mask_mod = plan.mask_of_call(mask_mod, block_map)
     keys = (_key(mask_mod, MaskMod, "mask_mod"), _key(score_mod, ScoreMod, "score_mod"),
-            block_map.key if block_map is not None else "")
+            block_map.handle if block_map is not None else None)
     return torch.ops.maskc.decode(q, k, v, kv_lens, *keys, None if scale is None else float(scale), enable_gqa)
 
 
@@ -159,8 +162,8 @@ def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_m
 
 @torch.library.custom_op("maskc::decode", mutates_args=())
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, mask_key: str, score_key: str,
-            map_key: str, scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    mask, score, block_map, k, v = _inputs(mask_key, score_key, map_key, q, k, v)
+            map_handle: torch.Tensor | None, scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    mask, score, block_map, k, v = _inputs(mask_key, score_key, map_handle, q, k, v)
     B, Hq, Lq, _ = q.shape
     if 0 in (B, Hq, Lq, k.shape[2]):
         return launch.no_pairs(q, v)
@@ -168,7 +171,7 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Te
 
 
 @_decode.register_fake
-def _decode_fake(q, k, v, kv_lens, mask_key, score_key, map_key, scale, enable_gqa):
+def _decode_fake(q, k, v, kv_lens, mask_key, score_key, map_handle, scale, enable_gqa):
     plan.check_tensors(q, k, v, enable_gqa)
     decoding.check_lens(kv_lens, q, k)
     return _outputs(q, v.shape[3])
