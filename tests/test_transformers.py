@@ -169,3 +169,33 @@ def test_refusals_say_why(llama):
     dense = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
     with pytest.raises(TypeError, match=r"got a 4-d torch.bool tensor .*2-d attention_mask"):
         llama[0](input_ids=ids, attention_mask=dense)
+
+
+def test_torch_compile_of_the_model_runs_without_recompiling():
+    # the model's mask functions run outside the graph (one break per forward pass, in
+    # layer_mask); the layers compile once without padding and once with it (another mask
+    # function), then run again for new padding and new tokens
+    from torch._dynamo.utils import counters
+
+    ours, theirs = _pair(transformers.LlamaConfig(**TINY))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(ours, backend="aot_eager")
+    graphs = []
+    for step, pad in enumerate((0, 5, 3, 0, 7)):
+        ids = _tokens(2, 20, seed=10 + step)
+        mask = torch.ones_like(ids)
+        mask[1, :pad] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        grads = []
+        for model in (compiled, theirs):
+            model.zero_grad()
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == [graphs[1]] * 4, f"recompiled: unique graphs after each step {graphs}"
+    breaks = [reason for reason in counters["graph_break"] if "layer_mask" not in reason]
+    assert len(breaks) <= 1 and all("dict_keyiterator" in b for b in breaks), breaks  # transformers' own
+    torch._dynamo.reset()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,7 @@ def register(name: str = "maskc") -> str:
     return name
 
 
+@torch.compiler.disable(reason="maskc traces the model's mask function in Python, once per forward pass")
 def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, *,
                mask_function, attention_mask: torch.Tensor | LayerMask | None = None, **kwargs) -> LayerMask:
     """transformers' mask interface for maskc: `mask_function` with the cache offsets and the
@@ -76,6 +78,9 @@ def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
 
     The other keywords transformers passes (config, dtype, device, local_size, the skip flags of
     the SDPA path) change nothing here: the mask function already holds the pattern.
+
+    Under torch.compile this runs outside the graph (one graph break per forward pass, before
+    the layers); the layers' graph receives the LayerMask.
     """
     if isinstance(attention_mask, LayerMask):  # built ahead by generate() for this step
         return attention_mask
@@ -88,18 +93,61 @@ def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         padding = F.pad(attention_mask, (0, max(0, kv_offset + kv_length - attention_mask.shape[-1])))
         if bool(padding.all()):  # no padded key: no captured tensor for the tiles to read
             padding = None
-    return LayerMask(_absolute(mask_function, padding, q_offset, kv_offset), q_length, kv_length)
+    return LayerMask(_StepMask.of(mask_function, padding, q_offset, kv_offset), q_length, kv_length)
 
 
-def _absolute(mask_function, padding, q_offset: int, kv_offset: int) -> maskc.MaskMod:
-    if padding is None:
-        def transformers_mask(b, h, q_idx, kv_idx):
-            return mask_function(b, h, q_idx + q_offset, kv_idx + kv_offset)
-    else:
-        def transformers_mask(b, h, q_idx, kv_idx):
-            kv = kv_idx + kv_offset
-            return mask_function(b, h, q_idx + q_offset, kv) & padding[b, kv]
-    return maskc.MaskMod(transformers_mask)
+class _StepMask:
+    """The mask of one kind of layer in one forward pass: the model's mask function at the cache
+    offsets, with padded keys dropped.
+
+    transformers makes its mask functions anew on every forward pass. One _StepMask, and its
+    MaskMod, serves every pass whose mask function has the same structure (the same code,
+    composed the same way): each pass rebinds the function, offsets and padding, which maskc's
+    trace guards re-read, so the kernel and the MaskMod stay and only the values change. A
+    compiled graph, which names the MaskMod, then runs again instead of recompiling each pass.
+    """
+
+    _interned = threading.local()
+
+    def __init__(self, mask_function, padding, q_offset: int, kv_offset: int):
+        self.mask_function, self.padding = mask_function, padding
+        self.q_offset, self.kv_offset = q_offset, kv_offset
+
+    @classmethod
+    def of(cls, mask_function, padding, q_offset: int, kv_offset: int) -> maskc.MaskMod:
+        table = cls._interned.__dict__.setdefault("table", {})
+        key = (_structure(mask_function), padding is None)
+        found = table.get(key)
+        if found is None:
+            found = table[key] = maskc.MaskMod(cls(mask_function, padding, q_offset, kv_offset),
+                                               name="transformers_mask")
+        else:
+            step = found.fn
+            step.mask_function, step.padding, step.q_offset, step.kv_offset = (mask_function, padding, q_offset,
+                                                                               kv_offset)
+        return found
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        kv = kv_idx + self.kv_offset
+        kept = self.mask_function(b, h, q_idx + self.q_offset, kv)
+        return kept if self.padding is None else kept & self.padding[b, kv]
+
+
+def _structure(fn) -> tuple:
+    """What a mask function computes, less the tensors it captures: its code, the numbers it
+    closes over (a window size) and, recursively, the functions it closes over (and_masks'
+    tuple of them). Two kinds of layer whose masks differ only in a number (two window sizes)
+    get two _StepMasks, so building one kind's mask never rebinds another's in the same pass."""
+    if isinstance(fn, (tuple, list)):
+        return tuple(_structure(f) for f in fn)
+    if isinstance(fn, functools.partial):
+        return ("partial", _structure(fn.func), *(_structure(a) for a in fn.args))
+    if isinstance(fn, (int, float, bool, str, type(None))):
+        return (type(fn), fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return (type(fn),)  # a tensor, or a callable object: compared by the trace's guards
+    return (code, *(_structure(c.cell_contents) for c in fn.__closure__ or ()))
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
