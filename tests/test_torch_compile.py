@@ -220,9 +220,9 @@ def test_operators_pass_opcheck():
                for s in range(3))
     softcap = scores.softcap(5.0)
     keys = (masks.causal.key, softcap.key, None)
-    torch.library.opcheck(torch.ops.maskc.attention.default, (q, k, v, *keys, None, False))
+    torch.library.opcheck(torch.ops.maskc.attention.default, (q, k, v, *keys, None, False, [], [0, 0, 0, 0]))
     q, k, v = (t.detach() for t in (q, k, v))  # the backward has no backward of its own
-    out, lse, token = torch.ops.maskc.attention(q, k, v, *keys, None, False)
+    out, lse, token = torch.ops.maskc.attention(q, k, v, *keys, None, False, [], [0, 0, 0, 0])
     torch.library.opcheck(torch.ops.maskc.attention_backward.default,
                           (q, k, v, out, lse, token, torch.randn_like(out), None))
 
@@ -298,3 +298,43 @@ def test_captured_tensor_requiring_grad_is_refused_under_compile():
         attend(q.requires_grad_())
     with torch.no_grad():
         assert attend(q).shape == q.shape
+
+
+def test_flex_attention_with_new_block_masks_compiles_once():
+    # FlexAttention's pattern with maskc's imports: a BlockMask per batch, made outside the
+    # compiled code, whose tile tensors are graph inputs; gradients as eager
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    from maskc import create_block_mask, flex_attention
+
+    ids = DOC_IDS.clone()
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    softcap = scores.softcap(5.0)
+
+    def attend(q, k, v, block_mask):
+        return flex_attention(q, k, v, score_mod=softcap, block_mask=block_mask, enable_gqa=True)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(attend, backend=counter, fullgraph=True)
+    for cuts in ((20, 37), (5, 44), (30, 31)):
+        ids.copy_(torch.bucketize(torch.arange(L), torch.tensor(cuts), right=True))
+        block_mask = create_block_mask(document_causal, None, None, L, L, device="cpu", BLOCK_SIZE=16)
+        results = []
+        for fn in (compiled, attend):
+            leaves = [torch.randn(shape, generator=torch.Generator().manual_seed(i)).requires_grad_()
+                      for i, shape in enumerate(((1, 4, L, 16), (1, 2, L, 16), (1, 2, L, 16)))]
+            out = fn(*leaves, block_mask)
+            (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(6))).sum().backward()
+            results.append([out.detach()] + [t.grad for t in leaves])
+        for got, want in zip(*results):
+            _assert_same(got, want)
+        ref, _ = attention_reference(*(t.detach() for t in leaves), mask_mod=document_causal, score_mod=softcap,
+                                     enable_gqa=True)
+        torch.testing.assert_close(results[0][0].double(), ref, atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 1 and _no_graph_breaks()
+    theirs = torch_create_block_mask(document_causal, None, None, L, L, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(Exception, match=r"create_block_mask\(maskc.mask_mod\(fn\)"):
+        compiled(*leaves, theirs)

@@ -139,9 +139,9 @@ class BlockMap:
             full_num, full_idx = _flex_lists(dense == FULL)
         else:
             (kv_num, kv_idx), full_num, full_idx = _flex_lists(dense != EMPTY), None, None
-        mask_mod = self.mask_mod.fn if hasattr(self.mask_mod, "fn") else self.mask_mod
+        # the MaskMod itself (callable as the function): under torch.compile maskc names it by its key
         return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=self.block_size,
-                                        mask_mod=mask_mod, seq_lengths=(self.q_len, self.kv_len))
+                                        mask_mod=self.mask_mod, seq_lengths=(self.q_len, self.kv_len))
 
     @classmethod
     def from_flex_block_mask(cls, block_mask) -> "BlockMap":
@@ -158,27 +158,35 @@ class BlockMap:
         >>> m.num_full, m.num_partial
         (28, 8)
         """
-        num = block_mask.kv_num_blocks
+        return cls.from_flex_tiles(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                                   block_mask.full_kv_indices, seq_lengths=block_mask.seq_lengths,
+                                   block_size=block_mask.BLOCK_SIZE, mask_mod=block_mask.mask_mod)
+
+    @classmethod
+    def from_flex_tiles(cls, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, *, seq_lengths,
+                        block_size, mask_mod) -> "BlockMap":
+        """from_flex_block_mask from a BlockMask's parts (maskc's torch operator gets them as
+        tensors, so that a new BlockMask of the same shape runs the same compiled graph)."""
+        num = kv_num_blocks
         if num.dim() != 3:
             raise ValueError(f"block_mask must have kv_num_blocks of shape [B, H, q_blocks], got "
                              f"{tuple(num.shape)}; give its tensors batch and head dimensions ([None, None])")
-        q_len, kv_len = (int(n) for n in block_mask.seq_lengths)
-        size = block_mask.BLOCK_SIZE
-        block_size = (size, size) if isinstance(size, int) else tuple(int(b) for b in size)
+        q_len, kv_len = (int(n) for n in seq_lengths)
+        block_size = (block_size, block_size) if isinstance(block_size, int) else tuple(int(b) for b in block_size)
         n_q, n_kv = -(-q_len // block_size[0]), -(-kv_len // block_size[1])
         if num.shape[-1] != n_q:
             raise ValueError(f"block_mask has {num.shape[-1]} rows of q blocks, but Q_LEN={q_len} with "
                              f"BLOCK_SIZE={block_size} makes {n_q}; build it with create_block_mask for its lengths")
-        grid = _flex_grid(num, block_mask.kv_indices, n_kv, "kv_indices")
-        if block_mask.full_kv_num_blocks is not None:
-            full = _flex_grid(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, n_kv, "full_kv_indices")
+        grid = _flex_grid(num, kv_indices, n_kv, "kv_indices")
+        if full_kv_num_blocks is not None:
+            full = _flex_grid(full_kv_num_blocks, full_kv_indices, n_kv, "full_kv_indices")
             if (grid & full).any():
                 raise ValueError("block_mask lists a kv block both in kv_indices and in full_kv_indices, which "
                                  "flex_attention would attend twice; list each block once")
             grid = torch.where(full, FULL, grid * PARTIAL)
         grid = grid.to(torch.int8)
         pieces = Pieces.from_grid(grid, torch.ones_like(grid, dtype=torch.bool), grid.shape[:3])
-        mask = as_mask_mod(block_mask.mask_mod)
+        mask = as_mask_mod(mask_mod)
         return cls(pieces, q_len=q_len, kv_len=kv_len, block_size=block_size, mask_name=mask.__name__,
                    mask_mod=mask, traced=mask.traced)
 

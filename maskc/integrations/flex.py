@@ -65,7 +65,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                                   "return_aux=AuxRequest(lse=True) only")
     _ignore(kernel_options)
     mask = bm = None
-    if block_mask is not None:
+    if torch.compiler.is_compiling() and isinstance(block_mask, BlockMask):
+        bm = block_mask  # its tile tensors are the operator's inputs, converted when it runs (runtime/ops.py)
+    elif block_mask is not None:
         bm = block_mask if isinstance(block_mask, BlockMap) else converted(block_mask)
         _check_fits(bm, query, key)
         mask = bm.mask_mod

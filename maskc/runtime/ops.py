@@ -30,6 +30,7 @@ import threading
 import weakref
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from maskc.analysis.blockmap import BlockMap
 from maskc.runtime import decode as decoding
@@ -54,13 +55,24 @@ def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map):
 
     The mods are named by their keys (strings, made when each was built), which Dynamo reads
     as constants and guards: another mod compiles its own graph, while their values are read
-    by the operator when it runs. The map is named by its handle, a tensor input. Plain functions have no key until
-    maskc has traced them, which Dynamo must not trace: under torch.compile they must be
-    MaskMods and ScoreMods (maskc.mask_mod, maskc.score_mod, maskc.masks, maskc.scores)."""
-    mask_mod = plan.mask_of_call(mask_mod, block_map)
-    keys = (_key(mask_mod, MaskMod, "mask_mod"), _key(score_mod, ScoreMod, "score_mod"),
-            block_map.handle if block_map is not None else None)
-    out, lse, _ = torch.ops.maskc.attention(q, k, v, *keys, None if scale is None else float(scale), enable_gqa)
+    by the operator when it runs. A BlockMap is named by its handle, a tensor input; a torch
+    BlockMask (from maskc.flex_attention) by its tile tensors, converted when the operator runs."""
+    handle, tiles, layout = None, [], [0, 0, 0, 0]
+    if isinstance(block_map, BlockMask):
+        mask_mod = block_map.mask_mod if mask_mod is None else mask_mod
+        tiles = [block_map.kv_num_blocks, block_map.kv_indices]
+        if block_map.full_kv_num_blocks is not None:
+            tiles += [block_map.full_kv_num_blocks, block_map.full_kv_indices]
+        layout = [*block_map.seq_lengths, *block_map.BLOCK_SIZE]
+        what = "the mask_mod of a BlockMask (build it with maskc.create_block_mask, or wrap the function once: " \
+               "create_block_mask(maskc.mask_mod(fn), ...))"
+    else:
+        mask_mod = plan.mask_of_call(mask_mod, block_map)
+        handle = block_map.handle if block_map is not None else None
+        what = "mask_mod"
+    keys = (_key(mask_mod, MaskMod, what), _key(score_mod, ScoreMod, "score_mod"))
+    out, lse, _ = torch.ops.maskc.attention(q, k, v, *keys, handle, None if scale is None else float(scale),
+                                            enable_gqa, tiles, layout)
     return out, lse
 
 
@@ -68,8 +80,9 @@ def _key(mod, kind, what: str) -> str:
     if mod is None:
         return ""
     if not isinstance(mod, kind):
-        raise TypeError(f"under torch.compile, {what} must be a maskc.{kind.__name__} (decorate the function with "
-                        f"@maskc.{what}, or wrap it once outside the compiled code: maskc.{what}(fn)), got "
+        fix = (f"decorate the function with @maskc.{what}, or wrap it once outside the compiled code: "
+               f"maskc.{what}(fn)" if what in ("mask_mod", "score_mod") else what)
+        raise TypeError(f"under torch.compile, {what.split(' (')[0]} must be a maskc.{kind.__name__} ({fix}), got "
                         f"{type(mod).__name__}")
     return mod.key
 
@@ -77,9 +90,12 @@ def _key(mod, kind, what: str) -> str:
 # -- forward ---------------------------------------------------------------------------------
 @torch.library.custom_op("maskc::attention", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, score_key: str,
-             map_handle: torch.Tensor | None, scale: float | None,
-             enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             map_handle: torch.Tensor | None, scale: float | None, enable_gqa: bool,
+             flex_tiles: list[torch.Tensor], flex_layout: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mask, score, block_map, k, v = _inputs(mask_key, score_key, map_handle, q, k, v)
+    if flex_tiles:
+        block_map = BlockMap.from_flex_tiles(*flex_tiles, *[None] * (4 - len(flex_tiles)),
+                                             seq_lengths=flex_layout[:2], block_size=flex_layout[2:], mask_mod=mask)
     B, Hq, Lq, _ = q.shape
     if 0 in (B, Hq, Lq, k.shape[2]):
         out, lse = launch.no_pairs(q, v)
@@ -93,7 +109,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, s
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, mask_key, score_key, map_handle, scale, enable_gqa):
+def _forward_fake(q, k, v, mask_key, score_key, map_handle, scale, enable_gqa, flex_tiles, flex_layout):
     # runs at trace time: wrong inputs fail there, with the eager call's errors
     plan.check_tensors(q, k, v, enable_gqa)
     B, Hq, Lq, _ = q.shape
@@ -226,6 +242,7 @@ def _backward_fake(q, k, v, out, lse, token, d_out, d_lse):
 def _setup_context(ctx, inputs, output):
     _refuse_captured_gradients(inputs[3], inputs[4])  # mask_key, score_key
     q, k, v = inputs[:3]
+    ctx.n_tiles = len(inputs[8])  # flex_tiles' gradient is a list of as many Nones
     out, lse, token = output
     ctx.save_for_backward(q, k, v, out, lse, token)
 
@@ -233,7 +250,7 @@ def _setup_context(ctx, inputs, output):
 def _grad(ctx, d_out, d_lse, _):
     q, k, v, out, lse, token = ctx.saved_tensors
     dq, dk, dv = torch.ops.maskc.attention_backward(q, k, v, out, lse, token, d_out, d_lse)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, [None] * ctx.n_tiles, None
 
 
 _forward.register_autograd(_grad, setup_context=_setup_context)
