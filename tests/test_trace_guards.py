@@ -116,6 +116,23 @@ def test_captured_scalars_are_compared_by_type_and_value(monkeypatch, new, expec
     _assert_traces_like_eager(sliding_global)
 
 
+def test_a_changed_parameter_alone_keeps_the_expression_without_tracing_again(monkeypatch):
+    # a decoding step's offset or a new window: the trace is the old one with the new value
+    mm = as_mask_mod(sliding_global)
+    before = mm.traced
+    monkeypatch.setattr("maskc.trace.tracer._trace_once", None)  # a new trace would fail here
+    for window in (7, 0, -3):
+        monkeypatch.setattr(THIS, "WINDOW", window)
+        after = mm.traced
+        assert after.expr is before.expr and _values(mm) == [("WINDOW", window)]
+        assert mm.traced is after  # its guards hold the new value
+    monkeypatch.undo()
+    _assert_traces_like_eager(sliding_global)
+    # a parameter that becomes an infinity changes what the trace folds: traced again
+    monkeypatch.setattr(THIS, "WINDOW", float("inf"))
+    assert mm.traced.params == () and mm.signature == masks.causal.signature
+
+
 def test_changed_flag_changes_the_structure(monkeypatch):
     def flagged(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) if FLAG else (q_idx <= kv_idx)  # a Python bool: structure

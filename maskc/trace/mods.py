@@ -6,7 +6,7 @@ import itertools
 import types
 import weakref
 
-from maskc.trace.tracer import Traced, callable_name, guards_hold, trace
+from maskc.trace.tracer import Traced, callable_name, guards_hold, retraced, trace
 
 
 # Every mod's key, for code that can pass only strings (maskc's torch operators name the mods
@@ -36,7 +36,7 @@ class _Mod:
         and so the same kernel, when only a captured number changed)."""
         traced = self._traced
         if not guards_hold(traced.guards):
-            traced = self._traced = trace(self, self.kind)
+            traced = self._traced = retraced(self, self.kind, traced)
         return traced
 
     def __call__(self, *args):

@@ -71,12 +71,17 @@ class Traced:
     params: tuple[Param, ...]
     tensors: tuple[torch.Tensor, ...]
     guards: tuple[Guard, ...] = field(default=(), repr=False, compare=False)
+    # (guard index, parameter index) of each guard whose read became a parameter (-1: one the
+    # expression does not use), so that a change of those numbers alone needs no new trace
+    param_guards: tuple[tuple[int, int], ...] = field(default=(), repr=False, compare=False)
 
     signature: str = ""  # canonical text of expr: equal for equivalent spellings and any values
 
     def __post_init__(self):
-        # computed once: the signature is part of every kernel-cache lookup on the hot path
-        object.__setattr__(self, "signature", dag_text(self.expr))
+        # computed once (or handed over with the expression it belongs to): the signature is
+        # part of every kernel-cache lookup on the hot path
+        if not self.signature:
+            object.__setattr__(self, "signature", dag_text(self.expr))
 
     @property
     def digest(self) -> str:
@@ -133,13 +138,18 @@ class _Rebinder:
         self.infinite: list[tuple[str, float]] = []  # (origin, value) of infinities folded into a mask
         self.codes: set = set()
         self.guards: list[Guard] = []
+        self.param_guards: list[tuple[int, sympy.Symbol]] = []  # (guard index, raw parameter symbol)
         # id -> (original, copy): the original is held so that its id cannot be reused
         self._done: dict[int, tuple] = {}
 
     def guarded(self, fetch, source, found, origin: str):
         """`found`, which `fetch(source)` just read, rebound; the read becomes a guard."""
         self.guards.append((fetch, source, found.copy() if type(found) in (list, dict) else found))
-        return self.value(found, origin)
+        n_params = len(self.params)
+        rebound = self.value(found, origin)
+        if len(self.params) > n_params:
+            self.param_guards.append((len(self.guards) - 1, self.params[-1][0]))
+        return rebound
 
     def value(self, value, origin: str):
         if isinstance(value, bool):
@@ -381,7 +391,8 @@ def _trace_once(target, kind, name, filename, lineno, structural) -> Traced:
         raise
     if rebinder.infinite and expr.has(sympy.oo, -sympy.oo, sympy.zoo, sympy.nan):
         raise _infinity_error(name, rebinder.infinite)
-    traced = _renumber(kind, name, expr, rebinder.params, state.tensors, tuple(rebinder.guards))
+    traced = _renumber(kind, name, expr, rebinder.params, state.tensors, tuple(rebinder.guards),
+                       rebinder.param_guards)
     _check_values(traced)
     return traced
 
@@ -416,7 +427,7 @@ def _trace_error(kind, name, filename, lineno, what, fix):
     return MaskTraceError(f"{kind} '{name}' {what} at {os.path.basename(filename)}:{lineno} ({filename}); {fix}")
 
 
-def _renumber(kind, name, expr, raw_params, tensors, guards) -> Traced:
+def _renumber(kind, name, expr, raw_params, tensors, guards, param_guards) -> Traced:
     """Keep the parameters and tensors the expression uses, numbered by first discovery, so
     that the signature alone decides the kernel (two spellings with different variable
     names, or a capture that simplified away, change nothing)."""
@@ -433,4 +444,38 @@ def _renumber(kind, name, expr, raw_params, tensors, guards) -> Traced:
     slots = sorted({int(load.args[0]) for load in dag.atoms(expr, *LOADS)})
     new_slot = {old: i for i, old in enumerate(slots)}
     expr = dag.transform(expr, lambda e: type(e)(new_slot[int(e.args[0])], *e.args[1:]) if is_load(e) else e)
-    return Traced(kind, name, expr, tuple(params), tuple(tensors[i] for i in slots), guards)
+    index = {mapping[symbol]: i for i, symbol in enumerate(mapping)}
+    param_guards = tuple((g, index.get(mapping.get(symbol), -1)) for g, symbol in param_guards)
+    return Traced(kind, name, expr, tuple(params), tuple(tensors[i] for i in slots), guards, param_guards)
+
+
+def retraced(fn, kind: str, old: Traced) -> Traced:
+    """The trace of `fn` now that a guard of `old` failed: `old` with new values where the only
+    reads that changed are captured numbers that became parameters (a decoding step's offset,
+    a new window), which leave the expression as it is; otherwise a new trace."""
+    renewed = _with_new_values(old)
+    return renewed if renewed is not None else trace(fn, kind)
+
+
+def _with_new_values(old: Traced) -> Traced | None:
+    param_of = dict(old.param_guards)
+    guards, values = list(old.guards), [p.value for p in old.params]
+    try:
+        for i, (fetch, source, expected) in enumerate(old.guards):
+            got = fetch(source)
+            if got is expected or (type(got) is type(expected) and type(got) in _BY_VALUE and got == expected):
+                continue
+            # a parameter's number, still a finite number of its type (an int that became an
+            # infinity or a bool changes what the trace folds: trace again)
+            if i not in param_of or type(got) is not type(expected) or type(got) not in (int, float):
+                return None
+            if isinstance(got, float) and not math.isfinite(got) or isinstance(got, int) and not (
+                    _INT64[0] <= got <= _INT64[1]):
+                return None
+            guards[i] = (fetch, source, got)
+            if param_of[i] >= 0:
+                values[param_of[i]] = got
+    except Exception:  # as guards_hold: the name, key or attribute is gone
+        return None
+    params = tuple(Param(p.symbol, v, p.origin) for p, v in zip(old.params, values))
+    return Traced(old.kind, old.name, old.expr, params, old.tensors, tuple(guards), old.param_guards, old.signature)
