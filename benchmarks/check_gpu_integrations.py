@@ -13,6 +13,7 @@ import traceback
 
 import torch
 import torch._dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
 import transformers
 from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
 from torch.nn.attention.flex_attention import flex_attention as torch_flex
@@ -82,15 +83,15 @@ def check_flex():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     capped = maskc.score_mod(softcap)
+    counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(lambda q, k, v, bm: maskc.flex_attention(q, k, v, score_mod=capped, block_mask=bm),
-                             fullgraph=True, backend="inductor")
+                             fullgraph=True, backend=counter)
     for n_docs in (5, 9):
         ids.copy_(torch.sort(torch.randint(0, n_docs, (L,), device=DEV)).values)
         bm = maskc.create_block_mask(document, None, None, L, L, device=DEV)
         want = torch.compile(torch_flex)(q, k, v, score_mod=softcap, block_mask=bm)
         torch.testing.assert_close(compiled(q, k, v, bm), want, rtol=2e-2, atol=2e-2)
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert frames == 1, f"{frames} graphs for two BlockMasks of one shape"
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for two BlockMasks of one shape"
     yield "flex drop-in under torch.compile(inductor, fullgraph): two BlockMasks, one graph, match torch's Flex"
 
 
