@@ -71,6 +71,10 @@ def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map):
         handle = block_map.handle if block_map is not None else None
         what = "mask_mod"
     keys = (_key(mask_mod, MaskMod, what), _key(score_mod, ScoreMod, "score_mod"))
+    # here, where Dynamo traces the call, and not only where the graph records a backward:
+    # where q, k and v need no gradient no backward is recorded, and the captured tensor's
+    # gradient would be missing without a word
+    _refuse_traced_captured_gradients(mask_mod, score_mod)
     out, lse, _ = torch.ops.maskc.attention(q, k, v, *keys, handle, None if scale is None else float(scale),
                                             enable_gqa, tiles, layout)
     return out, lse
@@ -127,14 +131,27 @@ def _inputs(mask_key: str, score_key: str, map_handle, q, k, v):
     return mask, score, block_map, k, v
 
 
-def _refuse_captured_gradients(*keys: str) -> None:
+def _refuse_captured_gradients(*mods) -> None:
     """The operators' autograd has no inputs for the mods' captured tensors, so a gradient they
-    need would be silently missing: refuse it where the graph records the operator's backward."""
-    for mod in (mod_of_key(key) for key in keys if key):
+    need would be silently missing: refuse a mod whose captured tensor requires grad."""
+    for mod in mods:
         if mod is not None and any(t.requires_grad for t in mod.traced.tensors):
-            raise NotImplementedError(f"{mod.kind} '{mod.__name__}' captures a tensor that requires grad; under "
-                                      f"torch.compile maskc does not compute gradients of captured tensors yet (eager "
-                                      f"calls do): detach it inside the compiled code, or call maskc eagerly")
+            raise _captured_gradient_error(mod)
+
+
+def _refuse_traced_captured_gradients(*mods) -> None:
+    """_refuse_captured_gradients for code Dynamo traces: it reads what the mods' latest traces
+    recorded (re-checking their guards would run maskc's tracer under Dynamo)."""
+    if torch.is_grad_enabled():
+        for mod in mods:
+            if mod is not None and mod.captured_requires_grad:
+                raise _captured_gradient_error(mod)
+
+
+def _captured_gradient_error(mod) -> NotImplementedError:
+    return NotImplementedError(f"{mod.kind} '{mod.__name__}' captures a tensor that requires grad; under "
+                               f"torch.compile maskc does not compute gradients of captured tensors yet (eager "
+                               f"calls do): detach it inside the compiled code, or call maskc eagerly")
 
 
 def _token(problem) -> int:
@@ -164,6 +181,7 @@ def decode(q, k, v, kv_lens, mask_mod, score_mod, scale, enable_gqa: bool, block
     mask_mod = plan.mask_of_call(mask_mod, block_map)
     keys = (_key(mask_mod, MaskMod, "mask_mod"), _key(score_mod, ScoreMod, "score_mod"),
             block_map.handle if block_map is not None else None)
+    _refuse_traced_captured_gradients(mask_mod, score_mod)  # decoding has no gradients at all
     return torch.ops.maskc.decode(q, k, v, kv_lens, *keys, None if scale is None else float(scale), enable_gqa)
 
 
@@ -240,7 +258,8 @@ def _backward_fake(q, k, v, out, lse, token, d_out, d_lse):
 
 
 def _setup_context(ctx, inputs, output):
-    _refuse_captured_gradients(inputs[3], inputs[4])  # mask_key, score_key
+    # again where the graph records the backward: a mod may have been rebound since tracing
+    _refuse_captured_gradients(*(mod_of_key(key) for key in inputs[3:5] if key))  # mask_key, score_key
     q, k, v = inputs[:3]
     ctx.n_tiles = len(inputs[8])  # flex_tiles' gradient is a list of as many Nones
     out, lse, token = output

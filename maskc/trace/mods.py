@@ -25,7 +25,7 @@ class _Mod:
         functools.update_wrapper(self, self.fn, updated=())
         if name is not None or not hasattr(self, "__name__"):
             self.__name__ = self.__qualname__ = name or callable_name(self.fn)
-        self._traced = trace(self, self.kind)
+        self._set_traced(trace(self, self.kind))
         self.key = f"{self.__name__}#{next(_SERIAL)}"
         _BY_KEY[self.key] = self
 
@@ -36,7 +36,15 @@ class _Mod:
         and so the same kernel, when only a captured number changed)."""
         traced = self._traced
         if not guards_hold(traced.guards):
-            traced = self._traced = retraced(self, self.kind, traced)
+            traced = self._set_traced(retraced(self, self.kind, traced))
+        return traced
+
+    def _set_traced(self, traced: Traced) -> Traced:
+        self._traced = traced
+        # A plain bool for code that torch.compile traces, which must neither run the tracer
+        # (re-checking guards) nor read the tensors (Dynamo would guard on each): whether a
+        # captured tensor required grad when the mod was last traced.
+        self.captured_requires_grad = any(t.requires_grad for t in traced.tensors)
         return traced
 
     def __call__(self, *args):
