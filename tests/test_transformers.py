@@ -199,3 +199,28 @@ def test_torch_compile_of_the_model_runs_without_recompiling():
     breaks = [reason for reason in counters["graph_break"] if "layer_mask" not in reason]
     assert len(breaks) <= 1 and all("dict_keyiterator" in b for b in breaks), breaks  # transformers' own
     torch._dynamo.reset()
+
+
+def test_mask_structures_tell_windows_apart_and_ignore_tensors():
+    # one MaskMod per structure: a second window size must not rebind the first's in one pass
+    from transformers.masking_utils import and_masks, causal_mask_function, padding_mask_function, \
+        sliding_window_overlay
+
+    def sliding(w):
+        return and_masks(sliding_window_overlay(w), causal_mask_function)
+
+    structure = maskc_hf._structure
+    assert structure(sliding(4)) == structure(sliding(4))
+    assert structure(sliding(4)) != structure(sliding(8))
+    padded = [and_masks(causal_mask_function, padding_mask_function(torch.ones(2, n, dtype=torch.bool)))
+              for n in (5, 9)]
+    assert structure(padded[0]) == structure(padded[1])  # tensors are values the trace guards
+
+    def unbound():
+        def later(b, h, q_idx, kv_idx):
+            return q_idx >= limit
+        found = structure(later)  # `limit` is not bound yet: an empty cell
+        limit = 3  # noqa: F841
+        return found
+
+    assert unbound()

@@ -147,7 +147,14 @@ def _structure(fn) -> tuple:
     code = getattr(fn, "__code__", None)
     if code is None:
         return (type(fn),)  # a tensor, or a callable object: compared by the trace's guards
-    return (code, *(_structure(c.cell_contents) for c in fn.__closure__ or ()))
+    return (code, *(_structure(_contents(c)) for c in fn.__closure__ or ()))
+
+
+def _contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell: a name the function reads, bound after it was made
+        return None
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
