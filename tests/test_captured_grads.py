@@ -67,7 +67,10 @@ def test_captured_gradients_match_float64_autograd(case):
     exact = tuple(t.detach().double().requires_grad_() for t in (q, k, v, *tensors))
     ref, _ = attention_reference(*exact[:3], mask, mod(exact[3:]), enable_gqa=True)
     want = torch.autograd.grad(ref, exact, d_out.double(), allow_unused=True)
-    tolerance = 2e-2 if dtype != torch.float32 else 1e-4
+    # float32: a captured element's gradient sums up to 2·48·48 terms ds · d(score)/d(element),
+    # which for ALiBi grow with the distance (up to 47); their rounding reached 1.1e-4 of
+    # max(|grad|, 1) (Lq=5, Lkv=31). A wrong kernel is off by O(1); gradcheck below is exact.
+    tolerance = 2e-2 if dtype != torch.float32 else 1e-3
     for name, a, b in zip(("q", "k", "v", *(f"captured #{i}" for i in range(len(tensors)))), got, want):
         b = torch.zeros_like(a, dtype=torch.float64) if b is None else b
         error = (a.double() - b).abs().max().item() / max(b.abs().max().item(), 1.0)
