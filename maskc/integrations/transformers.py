@@ -141,7 +141,8 @@ def _structure(fn) -> tuple:
     if isinstance(fn, (tuple, list)):
         return tuple(_structure(f) for f in fn)
     if isinstance(fn, functools.partial):
-        return ("partial", _structure(fn.func), *(_structure(a) for a in fn.args))
+        return ("partial", _structure(fn.func), *(_structure(a) for a in fn.args),
+                *((k, _structure(a)) for k, a in sorted(fn.keywords.items())))
     if isinstance(fn, (int, float, bool, str, type(None))):
         return (type(fn), fn)
     code = getattr(fn, "__code__", None)

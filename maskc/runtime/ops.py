@@ -64,13 +64,13 @@ def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map):
         if block_map.full_kv_num_blocks is not None:
             tiles += [block_map.full_kv_num_blocks, block_map.full_kv_indices]
         layout = [*block_map.seq_lengths, *block_map.BLOCK_SIZE]
-        what = "the mask_mod of a BlockMask (build it with maskc.create_block_mask, or wrap the function once: " \
-               "create_block_mask(maskc.mask_mod(fn), ...))"
+        mask_key = _key(mask_mod, MaskMod, "the mask_mod of a BlockMask", "build it with maskc.create_block_mask, "
+                        "or wrap the function once: create_block_mask(maskc.mask_mod(fn), ...)")
     else:
         mask_mod = plan.mask_of_call(mask_mod, block_map)
         handle = block_map.handle if block_map is not None else None
-        what = "mask_mod"
-    keys = (_key(mask_mod, MaskMod, what), _key(score_mod, ScoreMod, "score_mod"))
+        mask_key = _key(mask_mod, MaskMod, "mask_mod")
+    keys = (mask_key, _key(score_mod, ScoreMod, "score_mod"))
     # here, where Dynamo traces the call, and not only where the graph records a backward:
     # where q, k and v need no gradient no backward is recorded, and the captured tensor's
     # gradient would be missing without a word
@@ -80,13 +80,13 @@ def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map):
     return out, lse
 
 
-def _key(mod, kind, what: str) -> str:
+def _key(mod, kind, what: str, fix: str | None = None) -> str:
     if mod is None:
         return ""
     if not isinstance(mod, kind):
-        fix = (f"decorate the function with @maskc.{what}, or wrap it once outside the compiled code: "
-               f"maskc.{what}(fn)" if what in ("mask_mod", "score_mod") else what)
-        raise TypeError(f"under torch.compile, {what.split(' (')[0]} must be a maskc.{kind.__name__} ({fix}), got "
+        fix = fix or (f"decorate the function with @maskc.{what}, or wrap it once outside the compiled code: "
+                      f"maskc.{what}(fn)")
+        raise TypeError(f"under torch.compile, {what} must be a maskc.{kind.__name__} ({fix}), got "
                         f"{type(mod).__name__}")
     return mod.key
 

@@ -147,7 +147,7 @@ class _Rebinder:
         self.guards.append((fetch, source, found.copy() if type(found) in (list, dict) else found))
         n_params = len(self.params)
         rebound = self.value(found, origin)
-        if len(self.params) > n_params:
+        if type(found) in (int, float) and len(self.params) > n_params:  # this read became that parameter
             self.param_guards.append((len(self.guards) - 1, self.params[-1][0]))
         return rebound
 
