@@ -125,10 +125,12 @@ def _numeric_nest(depth):
 
 
 def test_nested_where_canonicalizes_once_per_distinct_node():
-    # as a tree the depth-30 nest has about 3**30 nodes; as a graph, a few hundred
+    # as a tree the depth-30 nest has about 3**30 nodes; as a graph, a few hundred. The bound
+    # tells a walk of the graph (about a second) from one of the tree (hours); it is loose
+    # because a loaded CI machine took 5.5 s
     start = time.perf_counter()
     expr = canonicalize(_numeric_nest(30))
-    assert time.perf_counter() - start < 5
+    assert time.perf_counter() - start < 60
     assert canonicalize(expr) == expr
 
 

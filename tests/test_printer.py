@@ -324,8 +324,12 @@ def _floats(draw, depth):
         node = "+"
     return {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "neg": lambda: -a,
             "max": lambda: sympy.Max(a, b), "abs": lambda: sympy.Abs(a), **_unevaluated(a, b),
+            # unevaluated, as the tracer builds it: sympy's evaluation of some nests recursed
+            # without end (a RecursionError in a CI draw, which then left sympy's assumption cache
+            # half written)
             "where": lambda: sympy.Piecewise(
-                (a, draw(st.sampled_from(_RELATIONS))(b, draw(_floats(depth - 1)))), (b, True))}[node]()
+                (a, draw(st.sampled_from(_RELATIONS))(b, draw(_floats(depth - 1)))), (b, True),
+                evaluate=False)}[node]()
 
 
 class _Array(np.ndarray):

@@ -210,6 +210,9 @@ def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem):
     lse (either may be None: unused)."""
     dtype = q.dtype
     d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
+    # the kernels index lse and Delta as dense [B, Hq, Lq] rows; a caller may pass a view of
+    # some rows (context parallelism's query chunks, maskc/distributed/ring.py)
+    lse = lse.contiguous()
     q, k, v, out, d_out = interpreter_safe(q, k, v, out, d_out)
     launches = problem.launches.get("bwd") or _backward_plans(problem)
     delta = torch.empty_like(lse)
