@@ -58,6 +58,7 @@ def documents(L: int, device) -> torch.Tensor:
 def workloads(args, device):
     L = args.length
     yield "causal", L, maskc.masks.causal
+    yield "causal (short shards)", L // 16, maskc.masks.causal
     yield "document (causal)", L, maskc.masks.document(documents(L, device), causal=True)
     yield f"sliding window {args.window}", L // 2, maskc.masks.sliding_window(args.window)
     yield f"sliding window {args.window}", L, maskc.masks.sliding_window(args.window)

@@ -167,6 +167,28 @@ def _check_errors(rank, world_size):
         md.attention(q, q, q, "plan")
 
 
+def _check_compiled(rank, world_size):
+    plan = md.plan(maskc.masks.causal, 50, block_size=16)
+    q, k, v = (torch.randn(1, 2, 50, 16) for _ in range(3))
+    qs = plan.shard(q).requires_grad_()
+
+    @torch.compile(backend="eager")
+    def layer(x):
+        return md.attention(x * 2, plan.shard(k), plan.shard(v), plan).relu()
+
+    out = layer(qs)
+    out.sum().backward()
+    q1 = q.clone().requires_grad_()
+    want = maskc.compiled_attention(q1 * 2, k, v, mask_mod=maskc.masks.causal).relu()
+    want.sum().backward()
+    torch.testing.assert_close(plan.unshard(out.detach()), want.detach(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(plan.unshard(qs.grad), q1.grad, atol=2e-5, rtol=2e-5)
+
+
+def test_runs_inside_torch_compile():
+    _spawn(_check_compiled, 2)
+
+
 def test_errors_name_the_rule():
     _spawn(_check_errors, 2)
 

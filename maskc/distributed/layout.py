@@ -6,11 +6,11 @@ shard is their concatenation, in order); rank r's queries then need the keys of 
 Candidates:
 - contiguous: N chunks, rank r the r-th (sliding windows: each rank needs its neighbour only);
 - zigzag: 2N chunks, rank r chunks r and 2N-1-r (causal: a cheap head with an expensive tail);
-- balanced: 2N chunks handed out two per rank, heaviest first, each to the lightest rank
-  (documents and other irregular masks).
+- balanced: 2N, 3N or 4N chunks handed out evenly, heaviest first, each to the lightest rank
+  (documents and other irregular masks: more chunks balance finer, at more launches).
 The layout with the least work on its busiest rank wins; among those within 2% of it, the
-one whose ring has fewer steps with work (less to send), then the listed order. Work counts
-the tiles the mask keeps, FULL and PARTIAL alike.
+one whose ring has fewer steps with work (less to send), then the one with fewer chunks, then
+the listed order. Work counts the tiles the mask keeps, FULL and PARTIAL alike.
 """
 from __future__ import annotations
 
@@ -67,10 +67,10 @@ def choose(kept: torch.Tensor, seq_len: int, block_size: int, world_size: int) -
     if n > 1:
         candidates.append(_layout("zigzag", kept, seq_len, block_size, 2 * n,
                                   [(r, 2 * n - 1 - r) for r in range(n)]))
-        candidates.append(_balanced(kept, seq_len, block_size, n))
+        candidates += [_balanced(kept, seq_len, block_size, n, per_rank) for per_rank in (2, 3, 4)]
     best = min(c.busiest for c in candidates)
     near = [c for c in candidates if c.busiest <= best * _TOLERANCE]
-    return min(near, key=lambda c: len(c.steps))
+    return min(near, key=lambda c: (len(c.steps), len(c.bounds)))
 
 
 def _bounds(seq_len: int, block_size: int, chunks: int) -> tuple[tuple[int, int], ...]:
@@ -113,14 +113,14 @@ def _layout(name, kept, seq_len, block_size, chunks, owned) -> Layout:
     return Layout(name, bounds, tuple(tuple(o) for o in owned), work, _ranges(kept, bounds, block_size, work))
 
 
-def _balanced(kept, seq_len, block_size, n) -> Layout:
-    bounds = _bounds(seq_len, block_size, 2 * n)
+def _balanced(kept, seq_len, block_size, n, per_rank: int) -> Layout:
+    bounds = _bounds(seq_len, block_size, per_rank * n)
     work = _pair_work(kept, bounds, block_size)
     rows = [sum(row) for row in work]
     owned: list[list[int]] = [[] for _ in range(n)]
     load = [0] * n
-    for c in sorted(range(2 * n), key=lambda c: (-rows[c], c)):
-        r = min((r for r in range(n) if len(owned[r]) < 2), key=lambda r: (load[r], r))
+    for c in sorted(range(per_rank * n), key=lambda c: (-rows[c], c)):
+        r = min((r for r in range(n) if len(owned[r]) < per_rank), key=lambda r: (load[r], r))
         owned[r].append(c)
         load[r] += rows[c]
     return Layout("balanced", bounds, tuple(tuple(sorted(o)) for o in owned), work,

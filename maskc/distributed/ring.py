@@ -26,6 +26,9 @@ from maskc.runtime.dtypes import accumulator
 from maskc.trace.mods import MaskMod, ScoreMod, as_score_mod
 
 
+# Under torch.compile the call is a graph break: its communication and planning run eagerly, and
+# autograd links the compiled parts on either side through it.
+@torch.compiler.disable
 def attention(q, k, v, plan: ContextParallelPlan, *, score_mod=None, scale=None, enable_gqa=False,
               return_lse=False):
     """Attention of this rank's query shard over the whole sequence, whose keys and values are
