@@ -185,8 +185,70 @@ def _check_compiled(rank, world_size):
     torch.testing.assert_close(plan.unshard(qs.grad), q1.grad, atol=2e-5, rtol=2e-5)
 
 
+_CAP = 2.0
+
+
+def _capped(score, b, h, q_idx, kv_idx):
+    return _CAP * torch.tanh(score / _CAP)
+
+
+def _check_new_captured_number(rank, world_size):
+    global _CAP
+    plan = md.plan(maskc.masks.causal, 40, block_size=16)
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    score = maskc.score_mod(_capped)
+    for cap in (2.0, 0.5):
+        _CAP = cap  # read through the mod's guard: the pairs' kernels run with the new value
+        out = plan.unshard(md.attention(plan.shard(q), plan.shard(k), plan.shard(v), plan, score_mod=score))
+        want, _ = attention_reference(q, k, v, mask_mod=maskc.masks.causal, score_mod=score)
+        torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_a_score_mods_new_number_is_used():
+    _spawn(_check_new_captured_number, 2)
+
+
 def test_runs_inside_torch_compile():
     _spawn(_check_compiled, 2)
+
+
+def _check_subgroup_and_edges(rank, world_size):
+    # a group of the last two ranks of three: peers are named by their global ranks
+    group = dist.new_group([1, 2])
+    q, k, v = (torch.randn(1, 2, 45, 16) for _ in range(3))  # drawn on every rank, which keeps their seeds in step
+    if rank:
+        mask = maskc.masks.sliding_window(10)
+        plan = md.plan(mask, 45, group=group, block_size=16)
+        qs = plan.shard(q).requires_grad_()
+        out = md.attention(qs, plan.shard(k), plan.shard(v), plan)
+        out.sum().backward()
+        q1 = q.clone().requires_grad_()
+        want = maskc.compiled_attention(q1, k, v, mask_mod=mask)
+        want.sum().backward()
+        torch.testing.assert_close(plan.unshard(out.detach()), want.detach(), atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(plan.unshard(qs.grad), q1.grad, atol=2e-5, rtol=2e-5)
+    # fewer tiles than chunks: some ranks hold no position at all
+    plan = md.plan(maskc.masks.causal, 20, block_size=16)
+    q, k, v = (torch.randn(1, 2, 20, 16) for _ in range(3))
+    qs, ks, vs = (plan.shard(t).requires_grad_() for t in (q, k, v))
+    out = md.attention(qs, ks, vs, plan)
+    out.sum().backward()
+    want, _ = attention_reference(q, k, v, mask_mod=maskc.masks.causal)
+    torch.testing.assert_close(plan.unshard(out.detach()).double(), want, atol=2e-5, rtol=2e-5)
+    assert 0 in plan.lengths, plan.lengths
+    # a mask that reads h needs H to plan, as maskc.block_map does
+    by_head = maskc.mask_mod(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) | (h == 0))
+    with pytest.raises(ValueError, match="H"):
+        md.plan(by_head, 40, block_size=16)
+    plan = md.plan(by_head, 40, block_size=16, H=2)
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    out = plan.unshard(md.attention(plan.shard(q), plan.shard(k), plan.shard(v), plan))
+    want, _ = attention_reference(q, k, v, mask_mod=by_head)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_subgroups_empty_shards_and_head_masks():
+    _spawn(_check_subgroup_and_edges, 3)
 
 
 def test_errors_name_the_rule():

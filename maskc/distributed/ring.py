@@ -25,6 +25,9 @@ from maskc.runtime import plan as planning
 from maskc.runtime.dtypes import accumulator
 from maskc.trace.mods import MaskMod, ScoreMod, as_score_mod
 
+_RINGS = 8  # the score mods a plan keeps the pair mods and Problems of
+_PROBLEMS = 1024
+
 
 # Under torch.compile the call is a graph break: its communication and planning run eagerly, and
 # autograd links the compiled parts on either side through it.
@@ -90,6 +93,8 @@ class _Ring:
         ring = plan._rings.get(key)
         if ring is None or ring.score is not score:
             ring = plan._rings[key] = _Ring(plan, score)
+            if len(plan._rings) > _RINGS:  # a score mod made anew on each call must not pile up
+                del plan._rings[next(iter(plan._rings))]
         return ring
 
     def __init__(self, plan: ContextParallelPlan, score):
@@ -118,10 +123,15 @@ class _Ring:
             q_lo, q_hi, kv_lo, kv_hi = plan._layout.ranges[(qc, kc)]
             qs, ks = slice(mine[qc] + q_lo, mine[qc] + q_hi), slice(starts[kc] + kv_lo, starts[kc] + kv_hi)
             q_part, k_part, v_part = q[:, :, qs], k[:, :, ks], v[:, :, ks]
-            key = (step, qc, kc, q.shape, k_part.shape, v.shape[3], q.dtype, differentiable)
+            mask, score = self._mods_of(qc, kc)
+            # the traces (re-checked by their guards: a score mod's captured number may change) and
+            # everything else a Problem is planned from; captured tensors are read at launch
+            key = (step, qc, kc, mask.traced if mask else None, score.traced if score else None, q.shape,
+                   k_part.shape, v.shape[3], q.dtype, q.device, scale, differentiable)
             problem = self.problems.get(key)
             if problem is None:
-                mask, score = self._mods_of(qc, kc)
+                if len(self.problems) >= _PROBLEMS:  # traces that changed leave their Problems behind
+                    self.problems.clear()
                 # the backward runs without grad mode: plan here whether captured tensors need gradients
                 with torch.set_grad_enabled(differentiable):
                     problem = self.problems[key] = planning.planned(q_part, k_part, v_part, mask, score, scale,
