@@ -87,13 +87,13 @@ class ContextParallelPlan:
 
     def unshard(self, y: torch.Tensor, dim: int = 2) -> torch.Tensor:
         """Every rank's shard gathered into the full-length tensor, in the original order (a
-        collective: every rank of the group calls it)."""
+        collective: every rank of the group calls it). Values only: the result has no gradient."""
         if y.shape[dim] != self.local_len:
             raise ValueError(f"unshard takes this rank's shard: dimension {dim} must be {self.local_len}, got "
                              f"shape {tuple(y.shape)}")
         width = max(self.lengths)
         padded = torch.zeros((*y.shape[:dim], width, *y.shape[dim + 1:]), dtype=y.dtype, device=y.device)
-        padded.narrow(dim, 0, self.local_len).copy_(y)
+        padded.narrow(dim, 0, self.local_len).copy_(y.detach())
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(gathered, padded.contiguous(), group=self.group)
         full = torch.empty((*y.shape[:dim], self.seq_len, *y.shape[dim + 1:]), dtype=y.dtype, device=y.device)
