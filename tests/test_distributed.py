@@ -145,8 +145,20 @@ def _check_sliding_window_skips(rank, world_size):
     torch.testing.assert_close(plan.unshard(out.detach()).double(), ref, atol=2e-4, rtol=2e-4)
 
 
+def _check_sliding_window_and_short_ragged(rank, world_size):
+    _check_sliding_window_skips(rank, world_size)
+    # 3 tiles for 16 chunks: most chunks are empty, and the ragged last tile belongs to a real one
+    plan = md.plan(maskc.masks.causal, 40, block_size=16)
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    qs = plan.shard(q).requires_grad_()
+    out = md.attention(qs, plan.shard(k), plan.shard(v), plan)
+    out.sum().backward()
+    want, _ = attention_reference(q, k, v, mask_mod=maskc.masks.causal)
+    torch.testing.assert_close(plan.unshard(out.detach()).double(), want, atol=2e-5, rtol=2e-5)
+
+
 def test_sliding_window_skips_ring_steps():
-    _spawn(_check_sliding_window_skips, 4)
+    _spawn(_check_sliding_window_and_short_ragged, 4)
 
 
 def _check_errors(rank, world_size):
@@ -154,6 +166,10 @@ def _check_errors(rank, world_size):
     mask = maskc.masks.document(ids)
     with pytest.raises(ValueError, match="every rank must call maskc.distributed.plan with the same"):
         md.plan(mask, 64 if rank == 0 else 80, block_size=16)
+    other = torch.zeros(64, dtype=torch.long)
+    other[40 + 4 * rank:] = 1  # a document boundary at 40 on rank 0 and 44 on rank 1: same layout, two masks
+    with pytest.raises(ValueError, match="every rank must call maskc.distributed.plan with the same"):
+        md.plan(maskc.masks.document(other), 64, block_size=16)
     plan = md.plan(mask, 64, block_size=16)
     q = torch.randn(1, 2, plan.local_len, 16)
     with pytest.raises(ValueError, match="this rank's shard of 32 positions"):
@@ -204,8 +220,26 @@ def _check_new_captured_number(rank, world_size):
         torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
 
 
-def test_a_score_mods_new_number_is_used():
-    _spawn(_check_new_captured_number, 2)
+def _check_captured_changes(rank, world_size):
+    _check_new_captured_number(rank, world_size)
+    # the same table first frozen, then learnable: the second call must compute its gradient
+    plan = md.plan(maskc.masks.causal, 40, block_size=16)
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    table = torch.randn(2, 79)
+    score = maskc.scores.relative_bias(table)
+    for learnable in (False, True):
+        table.requires_grad_(learnable)
+        qs = plan.shard(q).requires_grad_()
+        md.attention(qs, plan.shard(k), plan.shard(v), plan, score_mod=score).sum().backward()
+    got = table.grad.clone()
+    table.grad = None
+    want, _ = attention_reference(q, k, v, mask_mod=maskc.masks.causal, score_mod=score)
+    want.sum().backward()
+    torch.testing.assert_close(got, table.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_a_score_mods_new_number_and_new_gradient_are_used():
+    _spawn(_check_captured_changes, 2)
 
 
 def test_runs_inside_torch_compile():
@@ -245,6 +279,10 @@ def _check_subgroup_and_edges(rank, world_size):
     out = plan.unshard(md.attention(plan.shard(q), plan.shard(k), plan.shard(v), plan))
     want, _ = attention_reference(q, k, v, mask_mod=by_head)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    # a plan for 2 heads would skip pairs head 3 keeps (here none, but a mask may read h anyhow)
+    q4 = plan.shard(torch.randn(1, 4, 40, 16))
+    with pytest.raises(ValueError, match="reads h, and this plan was made for number of query heads H=2"):
+        md.attention(q4, q4, q4, plan)
 
 
 def test_subgroups_empty_shards_and_head_masks():
@@ -286,7 +324,12 @@ def test_documents_balance_the_busiest_rank():
 
 
 def test_chunks_cover_ragged_and_short_sequences():
-    for L, n in ((77, 4), (20, 4), (1, 2)):
-        chosen = layout.choose(_kept(maskc.masks.causal, L), L, 16, n)
+    for L, n in ((77, 4), (20, 4), (1, 2), (40, 4), (15, 3), (47, 4)):
+        kept = _kept(maskc.masks.causal, L)
+        chosen = layout.choose(kept, L, 16, n)
         covered = sorted(p for c in range(len(chosen.bounds)) for p in range(*chosen.bounds[c]))
         assert covered == list(range(L)), (L, n, chosen)
+        # each tile's work is counted on the chunk that holds its rows (an empty chunk holds none)
+        for c, (start, end) in enumerate(chosen.bounds):
+            rows = kept[start // 16:-(-end // 16)] if start < end else kept[:0]
+            assert sum(chosen.pair_work[c]) == int(rows.sum()), (L, n, c, chosen.bounds)

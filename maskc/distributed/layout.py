@@ -85,7 +85,8 @@ def _pair_work(kept: torch.Tensor, bounds, block_size: int) -> tuple[tuple[int, 
     """Kept tiles summed over each (query chunk, key chunk) block of the tile grid."""
     tile_chunk = torch.empty(kept.shape[0], dtype=torch.long)
     for c, (start, end) in enumerate(bounds):
-        tile_chunk[start // block_size:-(-end // block_size)] = c
+        if start < end:  # an empty chunk at the end would otherwise take the ragged last tile
+            tile_chunk[start // block_size:-(-end // block_size)] = c
     grid = kept.to(torch.int64)
     rows = torch.zeros(len(bounds), grid.shape[1], dtype=torch.int64).index_add_(0, tile_chunk, grid)
     work = torch.zeros(len(bounds), len(bounds), dtype=torch.int64).index_add_(1, tile_chunk, rows)

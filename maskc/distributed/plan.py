@@ -8,6 +8,8 @@ import torch.distributed as dist
 
 from maskc.analysis.build import block_map
 from maskc.distributed import layout as layouts
+from maskc.trace import symbols
+from maskc.trace.dag import free_symbols
 from maskc.trace.mods import as_mask_mod
 
 
@@ -23,8 +25,10 @@ class ContextParallelPlan:
     steps at which some rank computes (step s: each rank r meets the keys of rank r - s);
     `skipped_steps` counts the others, which send nothing."""
 
-    def __init__(self, mask_mod, seq_len: int, block_size: int, layout: layouts.Layout, group, rank: int):
+    def __init__(self, mask_mod, seq_len: int, block_size: int, layout: layouts.Layout, group, rank: int,
+                 reads: dict):
         self.mask_mod = mask_mod
+        self._reads = reads  # {"b": B, "h": H} for the index arguments the mask reads: the map holds for those
         self.seq_len = seq_len
         self.block_size = block_size
         self.group = group
@@ -103,10 +107,17 @@ class ContextParallelPlan:
                 full.narrow(dim, start, length).copy_(part.narrow(dim, offset, length))
         return full
 
-    def check_current(self) -> None:
-        """Refuse a plan whose mask changed since it was made (a captured number or tensor)."""
+    def check_current(self, B: int, H: int) -> None:
+        """Refuse a plan whose mask changed since it was made (a captured number or tensor), or
+        that was made for another batch size or head count where the mask reads b or h."""
         if self.mask_mod is None:
             return
+        for name, planned, got in (("b", self._reads.get("b"), B), ("h", self._reads.get("h"), H)):
+            if planned is not None and planned != got:
+                what = "batch size B" if name == "b" else "number of query heads H"
+                raise ValueError(f"mask_mod '{self.mask_mod.__name__}' reads {name}, and this plan was made for "
+                                 f"{what}={planned} but q has {got}; make the plan with "
+                                 f"maskc.distributed.plan(..., {name.upper()}={got})")
         if self.mask_mod.traced is not self._traced or self._tensor_versions() != self._versions:
             raise ValueError(f"mask_mod '{self.mask_mod.__name__}' changed since this plan was made (a number or "
                              f"tensor it captures has a new value), so the plan may skip pairs it now keeps; "
@@ -143,6 +154,7 @@ def plan(mask_mod, seq_len: int, *, group=None, block_size: int = 128, B: int | 
         raise ValueError(f"block_size must be a power of two from 16, got {block_size!r}")
     mask = as_mask_mod(mask_mod)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    reads = {}
     if mask is None:
         tiles = -(-seq_len // block_size)
         kept = torch.ones(tiles, tiles, dtype=torch.int64)
@@ -150,15 +162,26 @@ def plan(mask_mod, seq_len: int, *, group=None, block_size: int = 128, B: int | 
         # built where the mask's captured tensors live (the GPU for document ids there)
         bm = block_map(mask, seq_len, seq_len, block_size=(block_size, block_size), B=B, H=H)
         kept = (bm.to_dense() > 0).sum(dim=(0, 1)).cpu()
+        free = free_symbols(mask.traced.expr)
+        reads = {name: size for name, symbol, size in (("b", symbols.B, B), ("h", symbols.H, H)) if symbol in free}
     chosen = layouts.choose(kept, seq_len, block_size, world_size)
-    _check_agreement(chosen, seq_len, block_size, group, rank)
-    return ContextParallelPlan(mask, seq_len, block_size, chosen, group, rank)
+    _check_agreement(mask, chosen, seq_len, block_size, reads, group, rank)
+    return ContextParallelPlan(mask, seq_len, block_size, chosen, group, rank, reads)
 
 
-def _check_agreement(chosen: layouts.Layout, seq_len: int, block_size: int, group, rank: int) -> None:
-    """Every rank must plan the same layout, or the ring would pair mismatched shards; this
-    all-gather is also the group's first collective, which NCCL's batched point-to-point needs."""
-    fingerprint = zlib.crc32(repr((seq_len, block_size, chosen)).encode())
+def _check_agreement(mask, chosen: layouts.Layout, seq_len: int, block_size: int, reads: dict, group,
+                     rank: int) -> None:
+    """Every rank must plan the same mask and layout, or the ring would pair mismatched shards
+    or each rank would run its own mask; this all-gather is also the group's first collective,
+    which NCCL's batched point-to-point needs."""
+    what = (seq_len, block_size, chosen, sorted(reads.items()))
+    if mask is not None:
+        traced = mask.traced
+        # the captured tensors' bytes: document ids built differently on two ranks must not pass
+        what += (traced.signature, [p.value for p in traced.params],
+                 [zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                  for t in traced.tensors])
+    fingerprint = zlib.crc32(repr(what).encode())
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     mine = torch.tensor([seq_len, fingerprint], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(chosen.world_size)]

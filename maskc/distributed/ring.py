@@ -22,6 +22,7 @@ import torch.distributed as dist
 from maskc.distributed.plan import ContextParallelPlan
 from maskc.runtime import launch
 from maskc.runtime import plan as planning
+from maskc.runtime import tiles
 from maskc.runtime.dtypes import accumulator
 from maskc.trace.mods import MaskMod, ScoreMod, as_score_mod
 
@@ -55,7 +56,7 @@ def attention(q, k, v, plan: ContextParallelPlan, *, score_mod=None, scale=None,
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k and v must have q's batch size under context parallelism, got {k.shape[0]} and "
                          f"{q.shape[0]}; expand them")
-    plan.check_current()
+    plan.check_current(q.shape[0], q.shape[1])
     score = as_score_mod(score_mod)
     ring = _Ring.of(plan, score)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
@@ -126,8 +127,10 @@ class _Ring:
             mask, score = self._mods_of(qc, kc)
             # the traces (re-checked by their guards: a score mod's captured number may change) and
             # everything else a Problem is planned from; captured tensors are read at launch
-            key = (step, qc, kc, mask.traced if mask else None, score.traced if score else None, q.shape,
-                   k_part.shape, v.shape[3], q.dtype, q.device, scale, differentiable)
+            score_traced = score.traced if score else None
+            key = (step, qc, kc, mask.traced if mask else None, score_traced, q.shape, k_part.shape, v.shape[3],
+                   q.dtype, q.device, scale, differentiable, tiles.override_key(),
+                   tuple(t.requires_grad for t in score_traced.tensors) if score_traced else ())
             problem = self.problems.get(key)
             if problem is None:
                 if len(self.problems) >= _PROBLEMS:  # traces that changed leave their Problems behind
