@@ -8,7 +8,7 @@ Launched with plain python it spawns one process per GPU (torchrun works too). E
 times the single-GPU maskc call on the whole sequence on its own GPU at the same time; the
 ideal is that time ÷ ranks, and the efficiency is ideal ÷ the context-parallel time (forward
 and backward, median of the repeats, each ended by a barrier). bf16, B=1, Hq=32, Hkv=8, D=128.
-Before timing, each context-parallel output is compared with the single-GPU one.
+Each context-parallel output and gradient is compared with the single-GPU one.
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def measure(name, L, mask, args, device, dtype):
     g = torch.Generator(device).manual_seed(0)
     q = torch.randn(1, args.heads, L, args.dim, device=device, dtype=dtype, generator=g)
     k, v = (torch.randn(1, args.kv_heads, L, args.dim, device=device, dtype=dtype, generator=g) for _ in "kv")
-    d_out = torch.randn_like(q)
+    d_out = torch.randn(q.shape, device=device, dtype=dtype, generator=g)  # the same on every rank
     plan = md.plan(mask, L, block_size=args.block)
     qs, ks, vs, dos = (plan.shard(t).requires_grad_(t is not d_out) for t in (q, k, v, d_out))
     qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
@@ -111,7 +111,14 @@ def measure(name, L, mask, args, device, dtype):
         parallel_fwd = timed(lambda: md.attention(qs, ks, vs, plan, enable_gqa=True), args.repeats, device)
     single_step = timed(single, args.repeats, device)
     parallel_step = timed(parallel, args.repeats, device)
-    return name, L, plan, error, single_fwd, parallel_fwd, single_step, parallel_step
+    # the gradients of one step each, gathered: the backward's dK/dV exchange checked too
+    for t in (qs, ks, vs, qf, kf, vf):
+        t.grad = None
+    single()
+    parallel()
+    grad_error = max(((plan.unshard(a.grad).float() - b.grad.float()).abs().max() / b.grad.float().abs().max()).item()
+                     for a, b in zip((qs, ks, vs), (qf, kf, vf)))
+    return name, L, plan, error, grad_error, single_fwd, parallel_fwd, single_step, parallel_step
 
 
 def torch_context_parallel(args, device, world_size):
@@ -179,11 +186,12 @@ def report(rows, world_size, args) -> None:
     print(f"\n{world_size} ranks, B=1 Hq={args.heads} Hkv={args.kv_heads} D={args.dim}; times in ms (median of "
           f"{args.repeats}); efficiency = (1 GPU ÷ {world_size}) ÷ context parallel, forward+backward")
     print("| workload | length | layout | ring steps | 1 GPU fwd | CP fwd | 1 GPU fwd+bwd | CP fwd+bwd | efficiency | "
-          "max abs(out − 1 GPU) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, L, plan, error, sf, pf, ss, ps in rows:
+          "max abs(out − 1 GPU) | max grad diff ÷ max grad |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, L, plan, error, grad_error, sf, pf, ss, ps in rows:
         print(f"| {name} | {L} | {plan.layout} | {len(plan.steps)} of {world_size} | {sf * 1e3:.1f} | "
-              f"{pf * 1e3:.1f} | {ss * 1e3:.1f} | {ps * 1e3:.1f} | {ss / world_size / ps:.0%} | {error:.1e} |")
+              f"{pf * 1e3:.1f} | {ss * 1e3:.1f} | {ps * 1e3:.1f} | {ss / world_size / ps:.0%} | {error:.1e} | "
+              f"{grad_error:.1e} |")
     print(flush=True)
 
 

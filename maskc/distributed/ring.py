@@ -175,7 +175,7 @@ class _Ring:
                 for qs, ks, q_part, k_part, v_part, problem in self._pieces(step, q, keys, scale, True):
                     dq_p, dk_p, dv_p, *g = launch.backward(
                         q_part, k_part, v_part, out[:, :, qs], lse[:, :, qs], d_out[:, :, qs],
-                        None if d_lse is None else d_lse[:, :, qs], problem)
+                        None if d_lse is None else d_lse[:, :, qs], problem, partial=True)
                     dq[:, :, qs] += dq_p
                     dk_s[:, :, ks] += dk_p
                     dv_s[:, :, ks] += dv_p

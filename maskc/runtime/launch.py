@@ -205,9 +205,11 @@ def no_pairs(q, v):
 
 
 # -- backward --------------------------------------------------------------------------------
-def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem):
+def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem, *, partial: bool = False):
     """dq, dk, dv and the gradients of problem.grad_tensors, from the gradients of out and of
-    lse (either may be None: unused)."""
+    lse (either may be None: unused). `partial`: dq, dk and dv in the accumulator's precision
+    (float32 for half inputs), unrounded, for a caller that sums them over several launches
+    (context parallelism: rounding each part to bf16 loses what the parts cancel)."""
     dtype = q.dtype
     d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
     # the kernels index lse and Delta as dense [B, Hq, Lq] rows; a caller may pass a view of
@@ -221,12 +223,14 @@ def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem):
         # dS = P (dP - Delta) + P dlse: the gradient of lse (natural log, as the kernels' P =
         # exp(S - lse)) enters as Delta - dlse. Rows with lse = -inf have P = 0 and get none.
         delta -= d_lse
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    grad_dtype = accumulator(dtype) if partial else q.dtype
+    dq, dk, dv = (torch.empty_like(t, dtype=grad_dtype) for t in (q, k, v))
     tma = None
     # where the forward's launch found descriptors worth their host cost (DESCRIPTOR_MIN_PAIRS).
     # dK/dV measured 5-12% slower with descriptors on an H100 (dQ 5-18% faster), so only dQ
-    # takes them (benchmarks/NOTES.md).
-    if _descriptor_sized(problem) and descriptors_enabled():
+    # takes them (benchmarks/NOTES.md). A float32 dQ keeps pointers: its descriptor's store
+    # box would double the shared memory the kernel stages it in.
+    if _descriptor_sized(problem) and descriptors_enabled() and dq.dtype == q.dtype:
         m, n = problem.tiles.backward.dq.block_m, problem.tiles.backward.dq.block_n
         d_pad, dv_pad = padded(problem.D), padded(problem.Dv)
         tma = descriptors([(q, (1, 1, m, d_pad)), (k, (1, 1, n, d_pad)), (v, (1, 1, n, dv_pad)),
@@ -239,6 +243,8 @@ def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem):
     launches["dkdv"](q, k, v, d_out, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *d_out.stride(),
                      *dk.stride(), *dv.stride())
     grads = [(g.double() * 2.0 ** -32).to(t.dtype) for g, t in zip(sums, problem.grad_tensors)]
+    if partial:
+        return dq, dk, dv, *grads
     return dq.to(dtype), dk.to(dtype), dv.to(dtype), *grads
 
 
