@@ -33,6 +33,9 @@ SETTINGS = (
     Setting("MASKC_TRITON_KEY", "1",
             "0 stops maskc handing Triton its cache key from disk (Triton then hashes its install once per "
             "process, 0.3 s)"),
+    Setting("MASKC_GLUON", "1",
+            "on Hopper GPUs, 1 runs the Gluon forward (templates/attention_fwd_hopper.py.jinja) where it measured "
+            "faster (maskc/runtime/hopper.py), always wherever it can run, 0 never"),
     Setting("MASKC_DIRECT_LAUNCH", "1",
             "0 launches every call through Triton's JIT entry point instead of the compiled kernel it returned"),
 )
@@ -113,5 +116,13 @@ def direct_launch() -> bool:
     return _flag("MASKC_DIRECT_LAUNCH", True)
 
 
-__all__ = ["SETTINGS", "Setting", "autotune", "cache_dir", "cache_max_size", "debug", "direct_launch", "log_level",
+def gluon() -> str:
+    """"auto", "always" or "never" (MASKC_GLUON 1, always, 0)."""
+    value = os.environ.get("MASKC_GLUON", "1").strip().lower()
+    if value == "always":
+        return value
+    return "auto" if _flag("MASKC_GLUON", True) else "never"
+
+
+__all__ = ["SETTINGS", "Setting", "autotune", "cache_dir", "cache_max_size", "debug", "direct_launch", "gluon", "log_level",
            "overridden", "parse_size", "triton_key_shortcut"]

@@ -62,7 +62,7 @@ def test_files_define_only_the_helpers_they_call():
     causal = _compile(masks.causal).source
     for helper in ("_floordiv", "_ceildiv", "_truncdiv", "_mod", "_tanh", "_sign", "_lshift", "_rshift", "_widen"):
         assert f"def {helper}(" not in causal
-    assert "def _max_combine(" in causal and "def _sum_combine(" in causal
+    assert "_max_combine = tl.standard._elementwise_max" in causal  # the interpreter reduces these with numpy
 
     def blocks(b, h, q_idx, kv_idx):
         return (q_idx - kv_idx) // 8 == 0

@@ -20,10 +20,12 @@ from maskc.codegen.source import KernelSource
 from maskc.errors import MaskcError
 from maskc.trace.symbols import INTEGER_OPS, KV_IDX, Q_IDX, SCORE, LoadFloat
 
-TEMPLATES = {"fwd": "attention_fwd.py.jinja", "bwd": "attention_bwd.py.jinja", "dec": "attention_decode.py.jinja"}
-# The @triton.jit functions each kind of file defines.
+TEMPLATES = {"fwd": "attention_fwd.py.jinja", "bwd": "attention_bwd.py.jinja", "dec": "attention_decode.py.jinja",
+             "hfwd": "attention_fwd_hopper.py.jinja"}
+# The kernels each kind of file defines (@triton.jit, or @gluon.jit for the Gluon kinds).
 KERNEL_NAMES = {"fwd": ("attention_fwd",), "bwd": ("attention_bwd_dq", "attention_bwd_dkdv", "attention_bwd_delta"),
-                "dec": ("attention_decode", "attention_combine")}
+                "dec": ("attention_decode", "attention_combine"), "hfwd": ("attention_fwd_hopper",)}
+GLUON_KINDS = ("hfwd",)
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,6 +76,7 @@ def render(spec: KernelSource, templates: str | None = None) -> Rendered:
         mask_text=describe(spec.mask_expr) if spec.mask_expr is not None else "none (every pair kept)",
         score_text=describe(spec.score_expr) if spec.score_expr is not None else "none (plain scores)",
         extra_args=extra,
+        jit="gluon.jit" if spec.kind in GLUON_KINDS else "triton.jit",
         **_hooks(spec),
     )
     return Rendered(text, parameters(text))
@@ -261,4 +264,4 @@ def _piecewise(branches):
     return sympy.Basic.__new__(sympy.Piecewise, *pairs)
 
 
-__all__ = ["AST_LOCK", "Rendered", "codegen_hash", "parameters", "render", "score_derivative"]
+__all__ = ["AST_LOCK", "GLUON_KINDS", "Rendered", "codegen_hash", "parameters", "render", "score_derivative"]

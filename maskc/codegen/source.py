@@ -18,7 +18,7 @@ from maskc.trace import dag
 from maskc.trace.symbols import is_load, param_symbol
 from maskc.trace.tracer import Traced
 
-KINDS = ("fwd", "bwd", "dec")  # forward, backward, decoding (split-KV)
+KINDS = ("fwd", "bwd", "dec", "hfwd")  # forward, backward, decoding (split-KV), Hopper forward (Gluon)
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class KernelSource:
     score_signature: str  # "" when there is no score_mod
     tensor_ranks: tuple[int, ...]  # captured tensors, the mask's first
     param_kinds: tuple[str, ...]  # "i" or "f" per runtime scalar, the mask's first
-    # The forward adds a score of the form a·score + row + column in one FMA (codegen/separable.py),
+    # The forwards add a score of the form a·score + row + column in one FMA (codegen/separable.py),
     # except for float64 inputs, which exist for exact checks: there the mod runs as written.
     split_score: bool
     # The backward's captured float tensors whose gradients it accumulates (slots read by the
@@ -46,7 +46,7 @@ class KernelSource:
         """The source of the `kind` kernel for traced mask and score; `exact` for float64 inputs;
         `grad_slots` the captured tensors whose gradients a backward kernel computes."""
         mask_expr, score_expr, tensors, params = merge(mask, score)
-        split = kind == "fwd" and not exact and separate(score_expr) is not None
+        split = kind in ("fwd", "hfwd") and not exact and separate(score_expr) is not None
         return cls(kind=kind, mask_signature=mask.signature if mask else "",
                    score_signature=score.signature if score else "", tensor_ranks=tuple(t.dim() for t in tensors),
                    param_kinds=tuple("i" if isinstance(p.value, int) else "f" for p in params), split_score=split,

@@ -18,7 +18,8 @@ import torch
 from maskc._log import slow
 from maskc.runtime.descriptors import DESCRIPTOR_MIN_PAIRS, descriptors
 from maskc.runtime.dtypes import accumulator, dot_precision, interpreter_safe, triton_accumulator
-from maskc.runtime.kernel import CompiledKernel
+from maskc.runtime import hopper
+from maskc.runtime.kernel import CompiledKernel, kernel_for
 from maskc.runtime.plan import Problem
 from maskc.runtime.tiles import TileConfig, bh_group, descriptors_enabled, padded
 from maskc.settings import direct_launch
@@ -150,6 +151,12 @@ def forward(q, k, v, problem: Problem):
     q, k, v = interpreter_safe(q, k, v)
     out = torch.empty((problem.B, problem.Hq, problem.Lq, problem.Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((problem.B, problem.Hq, problem.Lq), dtype=accumulator(q.dtype), device=q.device)
+    if hopper.runs(problem):
+        tma = hopper.descriptors(q, k, v, out)
+        if tma is not None:
+            launch = problem.launches.get("hfwd") or _hopper_plan(problem)
+            launch(*tma, lse)
+            return out, lse
     config = problem.tiles.forward
     tma = None
     if _descriptor_sized(problem) and descriptors_enabled():
@@ -179,6 +186,23 @@ def _forward_plan(problem: Problem, tma: bool) -> LaunchPlan:
     plan = LaunchPlan(problem.forward_kernel, "attention_fwd", problem.interpret, grid, fixed, _FORWARD_CALL,
                       _options(config))
     problem.launches[("fwd", tma)] = plan
+    return plan
+
+
+def _hopper_plan(problem: Problem) -> LaunchPlan:
+    """The Gluon forward's launch (maskc/runtime/hopper.py)."""
+    config = hopper.CONFIG
+    kernel = kernel_for("hfwd", problem.mask, problem.score, problem.dtype, problem.device)
+    scale = problem.scale if problem.score is not None else problem.scale * _LOG2E
+    fixed = dict(
+        num_heads=problem.Hq, group_size=problem.Hq // problem.Hkv, q_len=problem.Lq, kv_len=problem.Lkv,
+        **_map_args(problem, config), **problem.captured, qk_scale=scale, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, EVEN_KV=problem.Lkv % config.block_n == 0, POSITIVE_SCALE=problem.scale > 0,
+        STAGES=config.num_stages, BH_GROUP=bh_group(problem.D))
+    grid = (-(-problem.Lq // config.block_m), problem.B * problem.Hq)
+    plan = LaunchPlan(kernel, "attention_fwd_hopper", False, grid, fixed, ("Q", "K", "V", "Out", "Lse"),
+                      dict(num_warps=config.num_warps, maxnreg=hopper.MAX_REGISTERS))
+    problem.launches["hfwd"] = plan
     return plan
 
 

@@ -58,6 +58,11 @@ def descriptors_enabled() -> bool:
     return _overrides.get("descriptors", True)
 
 
+def forward_forced() -> bool:
+    """Whether use_config forces the forward's tiles (which are the Triton-language kernel's)."""
+    return "fwd" in _overrides
+
+
 def forward_config(head_dim: int, device_type: str) -> TileConfig:
     if "fwd" in _overrides:
         return _overrides["fwd"]

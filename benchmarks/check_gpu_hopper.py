@@ -1,0 +1,191 @@
+"""The Gluon Hopper forward (templates/attention_fwd_hopper.py.jinja) on an H100/H200: correctness
+against the float64 reference, then one A/B table beside the Triton-language forward,
+FlexAttention and SDPA.
+
+    bash benchmarks/run_gpu.sh benchmarks/check_gpu_hopper.py [--no-timing] [--examples 30]
+
+The CPU suite cannot run Gluon (the interpreter runs only Triton's language), so this is its
+check: every case asserts that the Gluon kernel ran (its launch plan exists), and compares
+out and LSE with the float64 reference on ragged lengths, GQA, D=64 and 128, bf16 and fp16,
+the workloads' masks and score mods and hypothesis-drawn ones (maskc.testing.strategies).
+Exits non-zero on any failure.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).parent))
+import maskc  # noqa: E402
+from maskc import masks, scores  # noqa: E402
+from maskc.runtime import hopper  # noqa: E402
+from maskc.runtime import plan as plans  # noqa: E402
+from maskc.testing import assert_close_to_reference, attention_reference  # noqa: E402
+
+SHAPES = [  # B, Hq, Hkv, Lq, Lkv, D
+    (2, 4, 4, 1000, 777, 64),
+    (1, 8, 2, 333, 1029, 128),
+    (1, 2, 2, 128, 4096, 128),
+    (2, 3, 1, 4097, 300, 64),
+    (1, 2, 2, 65, 129, 128),
+]
+
+
+def late_keys(score, b, h, q_idx, kv_idx):
+    # a split score mod whose first kv tiles are -inf in every row
+    return score + torch.where(kv_idx >= 40, 0.0, float("-inf"))
+
+
+def cases(Lq, Lkv, H):
+    docs = torch.randint(0, 4, (max(Lq, Lkv),), device="cuda").sort().values
+    table = torch.randn(H, 2 * max(Lq, Lkv) - 1, device="cuda")
+    return [
+        ("no mask", None, None),
+        ("causal", masks.causal, None),
+        ("sliding 100", masks.sliding_window(100), None),
+        ("prefix-LM 300", masks.prefix_lm(300), None),
+        ("document", masks.document(docs, causal=True), None),
+        ("ALiBi causal", masks.causal, scores.alibi(scores.alibi_slopes(H).cuda())),
+        ("softcap", None, scores.softcap(20.0)),
+        ("relative bias", masks.causal, scores.relative_bias(table, offset=max(Lq, Lkv) - 1)),
+        ("late keys", masks.causal, late_keys),
+    ]
+
+
+def ran_gluon() -> bool:
+    return any("hfwd" in p.launches for p in plans.PLANS.values())
+
+
+def check(label, q, k, v, mask, score) -> int:
+    kwargs = dict(mask_mod=mask, score_mod=score, enable_gqa=q.shape[1] != k.shape[1])
+    plans.PLANS.clear()
+    try:
+        ref, ref_lse = attention_reference(q, k, v, **kwargs)
+        out, lse = maskc.compiled_attention(q, k, v, return_lse=True, **kwargs)
+        assert ran_gluon(), "the Gluon kernel did not run"
+        assert_close_to_reference(out, ref, q.dtype)
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), finite), "lse: -inf rows differ"
+        assert_close_to_reference(lse[finite], ref_lse[finite], torch.float32, what="lse")
+        print(f"ok    {label}")
+        return 0
+    except Exception as e:  # noqa: BLE001 (a compile error is a failure to report, not a stop)
+        print(f"FAIL  {label}: {type(e).__name__}: {str(e)[:400]}")
+        return 1
+
+
+def drawn(examples: int) -> int:
+    """Hypothesis-drawn masks and score mods (the CPU suite's strategies) through the Gluon kernel."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from maskc.testing import strategies
+
+    failures = []
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(data=st.data(), Lq=st.integers(65, 700), Lkv=st.integers(1, 700), D=st.sampled_from([64, 128]),
+           gqa=st.booleans(), seed=st.integers(0, 2 ** 16))
+    def one(data, Lq, Lkv, D, gqa, seed):
+        Hq, Hkv = (4, 2) if gqa else (2, 2)
+        mask = data.draw(strategies.masks(Lq, Lkv, H=Hq, device="cuda"))
+        score = data.draw(strategies.score_mods(Lq, Lkv, H=Hq, device="cuda"))
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q, k, v = (torch.randn(1, h, n, D, device="cuda", dtype=torch.bfloat16, generator=g)
+                   for h, n in ((Hq, Lq), (Hkv, Lkv), (Hkv, Lkv)))
+        failures.append(check(f"drawn Lq={Lq} Lkv={Lkv} D={D} gqa={gqa} seed={seed}", q, k, v, mask, score))
+
+    one()
+    return sum(failures)
+
+
+def _chosen(call) -> bool:
+    """Whether the default setting (MASKC_GLUON=1) picks the Gluon kernel for this call."""
+    plans.PLANS.clear()
+    call()
+    return ran_gluon()
+
+
+def timing():
+    """One table: Gluon vs the Triton-language forward (MASKC_GLUON=0), FlexAttention and SDPA."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from workloads import workloads
+    torch._dynamo.config.recompile_limit = 64  # one compile per workload and head dim
+    flex = torch.compile(flex_attention, dynamic=False)
+    B, H, L = 4, 16, 8192
+    print(f"\nforward, B={B} H={H} L={L} bf16, ms (median of do_bench); ratios are Gluon's speedup")
+    print(f"{'workload':22s} {'D':>4s} {'auto':>7s} {'gluon':>8s} {'gluon2':>7s} {'triton':>8s} {'flex':>8s} {'sdpa':>8s} "
+          f"{'vs triton':>9s} {'vs flex':>8s} {'vs sdpa':>8s}")
+    for D in (128, 64):
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for name, mask, score in workloads(L, H, "cuda"):
+            def ours():
+                return maskc.compiled_attention(q, k, v, mask_mod=mask, score_mod=score)
+            times = {}
+            for arm, flag in (("gluon", "always"), ("triton", "0"), ("gluon", "always"), ("triton", "0")):
+                os.environ["MASKC_GLUON"] = flag
+                ours()
+                times.setdefault(arm, []).append(triton.testing.do_bench(ours, warmup=25, rep=100))
+            os.environ["MASKC_GLUON"] = "1"
+            auto = "gluon" if _chosen(ours) else "triton"
+            bm = create_block_mask(mask, None, None, L, L, device="cuda") if mask is not None else None
+            fl = triton.testing.do_bench(lambda: flex(q, k, v, score_mod=score, block_mask=bm), warmup=25, rep=100)
+            sd = float("nan")
+            if name in ("no mask", "causal"):
+                sd = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=name == "causal"), warmup=25, rep=100)
+            g, t = min(times["gluon"]), min(times["triton"])
+            g3 = float("nan")
+            if name in ("no mask", "causal"):  # two K/V stages instead of three
+                saved, hopper.CONFIG = hopper.CONFIG, hopper.CONFIG._replace(num_stages=2)
+                os.environ["MASKC_GLUON"] = "always"
+                plans.PLANS.clear()
+                try:
+                    ours()
+                    g3 = triton.testing.do_bench(ours, warmup=25, rep=100)
+                except Exception as e:  # noqa: BLE001
+                    print(f"3 stages failed: {type(e).__name__}: {str(e)[:200]}")
+                hopper.CONFIG = saved
+                os.environ["MASKC_GLUON"] = "1"
+                plans.PLANS.clear()
+            print(f"{name:22s} {D:4d} {auto:>7s} {g:8.3f} {g3:7.3f} {t:8.3f} {fl:8.3f} {sd:8.3f} {t / g:9.2f} {fl / g:8.2f} {sd / g:8.2f}",
+                  flush=True)
+
+
+def main():
+    os.environ["MASKC_GLUON"] = "always"  # wherever it can run, small shapes too
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--no-check", action="store_true", help="the timing table only")
+    parser.add_argument("--examples", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="the first two shapes, bfloat16 only")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    failures = 0
+    shapes = [] if args.no_check else SHAPES[:2] if args.quick else SHAPES
+    dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float16)
+    for (B, Hq, Hkv, Lq, Lkv, D), dtype in itertools.product(shapes, dtypes):
+        q = torch.randn(B, Hq, Lq, D, device="cuda", dtype=dtype)
+        k = torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=dtype)
+        v = torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=dtype)
+        for name, mask, score in cases(Lq, Lkv, Hq):
+            label = f"{name:14s} B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} Lkv={Lkv} D={D} {dtype}"
+            failures += check(label, q, k, v, mask, score)
+    if args.examples and not args.no_check:
+        failures += drawn(args.examples)
+    print(f"{failures} failures")
+    if not args.no_timing:
+        timing()
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

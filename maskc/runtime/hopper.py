@@ -1,0 +1,101 @@
+"""The Gluon forward for Hopper GPUs (templates/attention_fwd_hopper.py.jinja): when it runs,
+its tiles and its descriptors (its launch plan is maskc/runtime/launch.py's).
+
+It can run where all of these hold, else the Triton-language forward does (the interpreter
+on CPU tensors, other GPUs, other head dims, float32 and float64, a Triton without Gluon):
+a CUDA device of compute capability 9.0; Gluon's Hopper module importable; float16 or
+bfloat16; q/k and v head dims equal and 64 or 128; at least a copy box of queries (64) and of
+keys (128), the smallest extents the GPU check ran; tensors the copy engine can read
+(16-byte aligned, last dim contiguous); MASKC_GLUON not 0; and no forward tiles forced
+(use_config, which benchmarks/tune.py sweeps for the Triton kernel).
+
+Where it can, it runs only where it measured faster (benchmarks/check_gpu_hopper.py, H100,
+B=4 H=16 L=8192, one run; benchmarks/NOTES.md): rows of many kv tiles and no score mod beyond
+the split form a·score + row + column. Against the Triton kernel it won on no mask, causal,
+prefix-LM and ALiBi (1.12-1.26× at D=128, 1.01-1.09× at D=64) and on a 1024 sliding window at
+D=128 (1.08×, which the rule leaves: it lost 0.82× at D=64); it lost on 12 causal documents
+(0.55-0.70×: about 6 tiles a row, and each run pays its pipeline's start) and on softcap
+(0.46-0.56×: tanh's arithmetic, on 8 math warps a multiprocessor against the Triton kernel's
+12). MASKC_GLUON=always runs it wherever it can (the GPU check does).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from maskc.runtime import tiles
+from maskc.settings import gluon as gluon_setting
+
+HEAD_DIMS = (64, 128)
+# 128 query rows a program, two consumer warpgroups of 64; 128-key tiles, three K/V stages (224 KiB
+# of shared memory at D=128 with q's two halves, of 227): three beat two by 10-12% at D=128 (no
+# mask 3.41 vs 3.81 ms, causal 1.82 vs 2.01) and tied at D=64 (benchmarks/NOTES.md). The kernel's 4 warps plus a 4-warp consumer and
+# a producer warp (allocated as 4): 12 warps of 168 registers fill the register file, and the
+# producer's 24 leave 240 for each consumer thread.
+CONFIG = tiles.TileConfig(128, 128, 4, 3)
+MAX_REGISTERS = 168
+# The fewest kv tiles (of CONFIG's 128 keys) a q row keeps on average for the Gluon kernel to
+# be chosen: the sliding window that tied kept ~9, causal at 8192 keeps ~32.
+MIN_TILES_PER_ROW = 16
+
+
+@functools.cache
+def _gluon():
+    """Gluon's host-side descriptor and shared layout, or None where this Triton has no Gluon Hopper module."""
+    try:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401 (the kernel imports it)
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor, gl.NVMMASharedLayout, {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+@functools.cache
+def _is_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def runs(problem) -> bool:
+    """Whether the Gluon forward runs `problem` (the rules in this module's docstring, but the
+    tensors' own layout, which `descriptors` checks per call)."""
+    setting = gluon_setting()
+    if (setting == "never" or problem.interpret or problem.dtype not in (torch.float16, torch.bfloat16)
+            or problem.D != problem.Dv or problem.D not in HEAD_DIMS or tiles.forward_forced()
+            or problem.Lq < CONFIG.block_m // 2 or problem.Lkv < CONFIG.block_n
+            or not _is_hopper(problem.device) or _gluon() is None):
+        return False
+    if setting == "always":
+        return True
+    faster = problem.launches.get("gluon faster")  # decided once per problem: a host sync
+    if faster is None:
+        faster = problem.launches["gluon faster"] = _faster(problem)
+    return faster
+
+
+def _faster(problem) -> bool:
+    if problem.score is not None and not problem.forward_kernel.kernel_source.split_score:
+        return False
+    bm, q_multiple, kv_multiple = problem.block_map.for_tiles(CONFIG.block_m, CONFIG.block_n)
+    rows = bm.B * bm.H * bm.n_q * q_multiple
+    return (bm.num_full + bm.num_partial) * q_multiple * kv_multiple >= MIN_TILES_PER_ROW * rows
+
+
+def descriptors(q, k, v, out):
+    """Gluon tensor descriptors of q, k, v and out over [B, H, L, D], or None where one
+    cannot have one (the copy engine's alignment rules)."""
+    TensorDescriptor, Layout, dtypes = _gluon()
+    rows = (CONFIG.block_m // 2, CONFIG.block_n, CONFIG.block_n, CONFIG.block_m // 2)
+    found = []
+    for t, n in zip((q, k, v, out), rows):
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s <= 0 or s * size % 16 for s in t.stride()[:-1]):
+            return None
+        block = [1, 1, n, t.shape[3]]
+        found.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                                      Layout.get_default_for(block, dtypes[t.dtype])))
+    return found
+
+
+__all__ = ["CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW", "descriptors", "runs"]

@@ -1,0 +1,141 @@
+"""The Gluon forward for Hopper (templates/attention_fwd_hopper.py.jinja, maskc/runtime/hopper.py).
+
+Triton's interpreter runs only Triton's language, so no CPU test can execute this kernel:
+benchmarks/check_gpu_hopper.py runs it against the float64 reference on an H100. Here the
+files it is rendered into are compiled for sm_90 with this machine's Triton (its ptxas needs
+no GPU): the template, the printer's hooks in Gluon and the kernel's shared memory are
+checked for every mask and score form, hypothesis-drawn ones too; and the rule that picks
+the kernel is checked on CPU problems.
+"""
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from maskc import masks, scores
+from maskc.codegen.render import render
+from maskc.codegen.source import KernelSource
+from maskc.runtime import hopper, plan
+from maskc.testing import strategies
+from maskc.trace.mods import as_mask_mod, as_score_mod
+
+gluon = pytest.importorskip("triton.experimental.gluon")
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+
+SMEM_LIMIT = 232448  # bytes a Hopper block may have (227 KiB)
+
+
+def _compile(mask, score, D: int):
+    """Render the Hopper forward for `mask` and `score` and compile it for sm_90 at head dim D."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    mt = as_mask_mod(mask).traced if mask is not None else None
+    st_ = as_score_mod(score).traced if score is not None else None
+    source = KernelSource.of("hfwd", mt, st_, exact=False)
+    rendered = render(source)
+    # Triton reads a kernel's source from its file
+    path = Path(tempfile.mkdtemp()) / f"hfwd_{source.digest(codegen_hash='test', maskc_version='test')}.py"
+    path.write_text(rendered.text)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = module.attention_fwd_hopper
+    config = hopper.CONFIG
+
+    def desc(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], gl.bfloat16)
+        return f"tensordesc<bf16[1, 1, {rows}, {D}],{layout!r}>"
+
+    constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN_KV=False, POSITIVE_SCALE=True,
+                      STAGES=config.num_stages, BH_GROUP=2, SPARSE_Q_MULTIPLE=1, SPARSE_KV_MULTIPLE=2)
+    params = rendered.parameters["attention_fwd_hopper"]
+    signature, constants = {}, {}
+    tensors = {f"T{i}": t for i, t in enumerate(_captured(mt, st_))}
+    for i, p in enumerate(params):
+        if p in ("Q", "Out"):
+            signature[p] = desc(config.block_m // 2)
+        elif p in ("K", "V"):
+            signature[p] = desc(config.block_n)
+        elif p == "Lse":
+            signature[p] = "*fp32"
+        elif p in ("FULL_OFFSETS", "FULL_RUNS", "PARTIAL_OFFSETS", "PARTIAL_RUNS"):
+            signature[p] = "*i32"
+        elif p in tensors:
+            signature[p] = "*fp32" if tensors[p].dtype.is_floating_point else "*i64"
+        elif p.startswith("p") and p[1:].isdigit():
+            signature[p] = "fp32" if source.param_kinds[int(p[1:])] == "f" else "i32"
+        elif p == "qk_scale":
+            signature[p] = "fp32"
+        elif p in constexprs:
+            signature[p] = "constexpr"
+            constants[(i,)] = constexprs[p]
+        else:
+            signature[p] = "i32"
+    return triton.compile(GluonASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": config.num_warps, "maxnreg": hopper.MAX_REGISTERS})
+
+
+def _captured(mask, score):
+    from maskc.codegen.source import merge
+    return merge(mask, score)[2]
+
+
+def _check(compiled):
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx  # the tensor cores' asynchronous path, not mma.sync
+    assert "cp.async.bulk.tensor" in ptx  # the copy engine
+    assert "setmaxnreg" in ptx  # warp roles with their own register budgets
+    assert "st.local" not in ptx and "ld.local" not in ptx  # no spills to local memory
+    assert compiled.metadata.shared <= SMEM_LIMIT
+
+
+CASES = [
+    ("no mask", None, None),
+    ("causal", masks.causal, None),
+    ("document", masks.document(torch.tensor([0] * 40 + [1] * 60)), None),
+    ("ALiBi", masks.causal, scores.alibi(scores.alibi_slopes(4))),
+    ("softcap", None, scores.softcap(20.0)),
+    ("relative bias", masks.sliding_window(64), scores.relative_bias(torch.zeros(4, 255))),
+]
+
+
+# about 10 s a compile on a CI core: every form at D=128, two at D=64
+@pytest.mark.parametrize("name, mask, score, D", [(*c, 128) for c in CASES] + [(*c, 64) for c in CASES[1:4:2]],
+                         ids=[f"{c[0]}-128" for c in CASES] + [f"{c[0]}-64" for c in CASES[1:4:2]])
+def test_the_hopper_forward_compiles_for_sm90(name, mask, score, D):
+    _check(_compile(mask, score, D))
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_drawn_mods_compile_for_sm90(data):
+    mask = data.draw(strategies.masks(100, 90, H=2))
+    score = data.draw(strategies.score_mods(100, 90, H=2))
+    _check(_compile(mask, score, data.draw(st.sampled_from([64, 128]))))
+
+
+def _problem(mask, score, L):
+    q = torch.empty(1, 2, L, 64)
+    mask, score = as_mask_mod(mask) if mask else None, as_score_mod(score) if score else None
+    return plan.problem_of(q, q, q, mask, score, 0.125, plan.traces_of(mask, score))
+
+
+@pytest.mark.parametrize("mask, score, L, faster", [
+    (None, None, 4096, True),  # 32 tiles a row
+    (masks.causal, None, 8192, True),  # 32.5 tiles a row on average
+    (masks.causal, None, 2048, False),  # 8.5
+    (masks.sliding_window(1024), None, 8192, False),  # about 9: measured a tie at D=128, a loss at D=64
+    (masks.causal, scores.alibi(scores.alibi_slopes(2)), 8192, True),  # a split score mod
+    (masks.causal, scores.softcap(30.0), 8192, False),  # tanh: the Triton kernel measured twice as fast
+], ids=["no mask", "causal 8192", "causal 2048", "sliding", "ALiBi", "softcap"])
+def test_the_kernel_is_chosen_where_it_measured_faster(mask, score, L, faster):
+    assert hopper._faster(_problem(mask, score, L)) is faster
