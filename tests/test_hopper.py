@@ -139,3 +139,16 @@ def _problem(mask, score, L):
 ], ids=["no mask", "causal 8192", "causal 2048", "sliding", "ALiBi", "softcap"])
 def test_the_kernel_is_chosen_where_it_measured_faster(mask, score, L, faster):
     assert hopper._faster(_problem(mask, score, L)) is faster
+
+
+def test_descriptors_follow_the_copy_engines_rules():
+    q = torch.zeros(2, 4, 100, 128, dtype=torch.bfloat16)
+    k = torch.zeros(2, 2, 300, 128, dtype=torch.bfloat16)
+    found = hopper.descriptors(q, k, k, q)
+    assert [d.block_shape for d in found] == [[1, 1, 64, 128], [1, 1, 128, 128], [1, 1, 128, 128], [1, 1, 64, 128]]
+    # q and out share one block and layout: the kernel writes out through q's buffer
+    assert found[0].layout == found[3].layout
+    # a [B, L, H, D] tensor seen as [B, H, L, D] is fine; a last dim that is not contiguous is not
+    assert hopper.descriptors(q.transpose(1, 2).contiguous().transpose(1, 2), k, k, q) is not None
+    assert hopper.descriptors(q.transpose(2, 3), k, k, q) is None
+    assert hopper.descriptors(q, k[:, :, :, 1:121], k, q) is None  # a base 2 bytes past 16-byte alignment

@@ -279,8 +279,8 @@ def _ints(draw, depth):
                                  "&", "|", "^", "where", "load", "//", "%", "//", "%", *_UNEVALUATED]))
     if node in ("floor", "ceiling", "trunc", "mod"):
         d = draw(_DIVISORS)
-        return {"floor": lambda: sympy.floor(a / d), "ceiling": lambda: sympy.ceiling(a / d),
-                "trunc": lambda: Trunc(a / d), "mod": lambda: sympy.Mod(a, d)}[node]()
+        return _built({"floor": lambda: sympy.floor(a / d), "ceiling": lambda: sympy.ceiling(a / d),
+                       "trunc": lambda: Trunc(a / d), "mod": lambda: sympy.Mod(a, d)}[node])
     if node in ("//", "%"):
         # printed as Python's operators: a dividend sympy knows is nonnegative, a positive literal divisor
         dividend = draw(st.sampled_from([Q_IDX + KV_IDX, Q_IDX * KV_IDX, sympy.Abs(a) + H, Q_IDX + 2 * B]))
@@ -288,21 +288,23 @@ def _ints(draw, depth):
         return sympy.floor(dividend / d) if node == "//" else sympy.Mod(dividend, d)
     if node in ("min", "max") and any(x.is_number and not x.is_Number for x in (a, b)):
         node = "+"  # sympy refuses to order numbers it does not evaluate (BitAnd(0, 1))
-    return {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "c*": lambda: draw(st.integers(-3, 3)) * a,
-            "neg": lambda: -a, "min": lambda: sympy.Min(a, b), "max": lambda: sympy.Max(a, b),
-            "abs": lambda: sympy.Abs(a), "&": lambda: BitAnd(a, b), "|": lambda: BitOr(a, b), "^": lambda: BitXor(a, b),
-            "where": lambda: sympy.Piecewise((a, draw(_bools(depth - 1))), (b, True)),
-            "load": lambda: LoadInt(0, a + Q_IDX), **_unevaluated(a, b)}[node]()
+    return _built({"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b,
+                   "c*": lambda: draw(st.integers(-3, 3)) * a, "neg": lambda: -a, "min": lambda: sympy.Min(a, b),
+                   "max": lambda: sympy.Max(a, b), "abs": lambda: sympy.Abs(a), "&": lambda: BitAnd(a, b),
+                   "|": lambda: BitOr(a, b), "^": lambda: BitXor(a, b),
+                   "where": lambda: sympy.Piecewise((a, draw(_bools(depth - 1))), (b, True)),
+                   "load": lambda: LoadInt(0, a + Q_IDX), **_unevaluated(a, b)}[node])
 
 
 @st.composite
 def _bools(draw, depth):
     if depth == 0 or draw(st.integers(0, 3)) == 0:
-        return draw(st.sampled_from(_RELATIONS))(draw(_ints(depth)), draw(_ints(depth)))
+        relation, x, y = draw(st.sampled_from(_RELATIONS)), draw(_ints(depth)), draw(_ints(depth))
+        return _built(lambda: relation(x, y))
     a, b = draw(_bools(depth - 1)), draw(_bools(depth - 1))
     node = draw(st.sampled_from(["&", "|", "^", "~", "where"]))
-    return {"&": lambda: sympy.And(a, b), "|": lambda: sympy.Or(a, b), "^": lambda: sympy.Xor(a, b),
-            "~": lambda: sympy.Not(a), "where": lambda: sympy.ITE(draw(_bools(depth - 1)), a, b)}[node]()
+    return _built({"&": lambda: sympy.And(a, b), "|": lambda: sympy.Or(a, b), "^": lambda: sympy.Xor(a, b),
+                   "~": lambda: sympy.Not(a), "where": lambda: sympy.ITE(draw(_bools(depth - 1)), a, b)}[node])
 
 
 @st.composite
@@ -324,19 +326,26 @@ def _floats(draw, depth):
     node = draw(st.sampled_from(["+", "-", "*", "neg", "max", "abs", "where", *_UNEVALUATED]))
     if node == "max" and any(x.is_number and not x.is_Number for x in (a, b)):
         node = "+"
-    return {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "neg": lambda: -a,
-            "max": lambda: sympy.Max(a, b), "abs": lambda: sympy.Abs(a), **_unevaluated(a, b),
-            "where": lambda: _where(a, b, draw(st.sampled_from(_RELATIONS)), draw(_floats(depth - 1)))}[node]()
+    return _built({"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "neg": lambda: -a,
+                   "max": lambda: sympy.Max(a, b), "abs": lambda: sympy.Abs(a), **_unevaluated(a, b),
+                   "where": lambda: _where(a, b, draw(st.sampled_from(_RELATIONS)), draw(_floats(depth - 1)))}[node])
 
 
 def _where(a, b, relation, c):
+    return _built(lambda: sympy.Piecewise((a, relation(b, c)), (b, True)))
+
+
+def _built(make):
+    """make(), a sympy construction of drawn parts, or the draw rejected.
+
+    NOTE: sympy's own evaluation fails on some draws: a Piecewise nest recursed without end in
+    one CI run, a relation over one found its assumptions inconsistent in another, and an
+    equality of floor terms recursed through rewrite(frac) in a third. Each leaves sympy's
+    caches half written, so they are cleared, and the draw is rejected: it tests sympy, not
+    the printer."""
     try:
-        return sympy.Piecewise((a, relation(b, c)), (b, True))
+        return make()
     except (RecursionError, InconsistentAssumptions):
-        # NOTE: sympy's own evaluation fails on some draws: a Piecewise nest recursed without end
-        # in one CI run, and built unevaluated, a relation over it found its assumptions
-        # inconsistent in another. Either leaves sympy's caches half written, so they are
-        # cleared, and the draw is rejected: it tests sympy, not the printer.
         clear_cache()
         reject()
 

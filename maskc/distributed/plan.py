@@ -46,6 +46,9 @@ class ContextParallelPlan:
         self.skipped_steps = self.world_size - len(self.steps)
         self.work = tuple(layout.rank_work(r) for r in range(self.world_size))
         self._rings: dict = {}
+        # chunks, pairs and keys by their arguments: they derive from the layout alone, and the
+        # ring asks for them at every step of every call (host time that short shards pay)
+        self._memo: dict = {}
 
     def positions(self, rank: int | None = None) -> torch.Tensor:
         """The global positions of a rank's rows (this rank's by default), in shard order."""
@@ -54,6 +57,12 @@ class ContextParallelPlan:
 
     def chunks(self, rank: int) -> tuple[tuple[int, int, int], ...]:
         """(chunk, its global start, its offset in the rank's shard) for each chunk of `rank`."""
+        found = self._memo.get(("chunks", rank))
+        if found is None:
+            found = self._memo["chunks", rank] = self._chunks(rank)
+        return found
+
+    def _chunks(self, rank: int) -> tuple[tuple[int, int, int], ...]:
         out, offset = [], 0
         for c in self._layout.owned[rank]:
             start, end = self._layout.bounds[c]
@@ -67,12 +76,22 @@ class ContextParallelPlan:
 
     def pairs(self, step: int, rank: int | None = None) -> tuple[tuple[int, int], ...]:
         """The (query chunk, key chunk) pairs a rank computes at ring step `step`."""
-        return self._layout.pairs(step, self.rank if rank is None else rank)
+        rank = self.rank if rank is None else rank
+        found = self._memo.get(("pairs", step, rank))
+        if found is None:
+            found = self._memo["pairs", step, rank] = self._layout.pairs(step, rank)
+        return found
 
     def keys_needed(self, step: int, rank: int | None = None) -> tuple[tuple[int, int, int], ...]:
         """(key chunk, lo, hi) for each chunk of rank - step whose keys [lo, hi) (offsets from the
         chunk's start) a rank reads at `step`, in that rank's shard order: what travels at the step."""
         rank = self.rank if rank is None else rank
+        found = self._memo.get(("keys", step, rank))
+        if found is None:
+            found = self._memo["keys", step, rank] = self._keys_needed(step, rank)
+        return found
+
+    def _keys_needed(self, step: int, rank: int) -> tuple[tuple[int, int, int], ...]:
         pairs = self.pairs(step, rank)
         needed = []
         for kc in self._layout.owned[(rank - step) % self.world_size]:
