@@ -152,3 +152,25 @@ def test_descriptors_follow_the_copy_engines_rules():
     assert hopper.descriptors(q.transpose(1, 2).contiguous().transpose(1, 2), k, k, q) is not None
     assert hopper.descriptors(q.transpose(2, 3), k, k, q) is None
     assert hopper.descriptors(q, k[:, :, :, 1:121], k, q) is None  # a base 2 bytes past 16-byte alignment
+
+
+def test_a_failed_first_launch_warns_and_runs_the_triton_forward(monkeypatch):
+    # a Triton whose Gluon API moved again, say: the call still answers, through the Triton kernel
+    import maskc
+    from maskc.runtime import launch
+    from maskc.testing import assert_close_to_reference, attention_reference
+
+    def broken(problem):
+        raise RuntimeError("async_copy_global_to_shared has been removed; call async_load instead")
+
+    monkeypatch.setattr(hopper, "_failure", None)
+    monkeypatch.setattr(hopper, "runs", lambda problem: hopper._failure is None)
+    monkeypatch.setattr(hopper, "descriptors", lambda q, k, v, out: [q, k, v, out])
+    monkeypatch.setattr(launch, "_hopper_plan", broken)
+    plan.PLANS.clear()
+    q, k, v = (torch.randn(1, 2, 100, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    with pytest.warns(RuntimeWarning, match="Gluon forward for Hopper failed.*async_load.*MASKC_GLUON=0"):
+        out = maskc.compiled_attention(q, k, v, mask_mod=masks.causal)
+    assert_close_to_reference(out, attention_reference(q, k, v, masks.causal)[0])
+    assert "RuntimeError" in hopper._failure
+    plan.PLANS.clear()

@@ -21,8 +21,10 @@ D=128 (1.08×, which the rule leaves: it lost 0.82× at D=64); it lost on 12 cau
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
+import triton
 
 from maskc.runtime import tiles
 from maskc.settings import gluon as gluon_setting
@@ -38,6 +40,8 @@ MAX_REGISTERS = 168
 # The fewest kv tiles (of CONFIG's 128 keys) a q row keeps on average for the Gluon kernel to
 # be chosen: the sliding window that tied kept ~9, causal at 8192 keeps ~32.
 MIN_TILES_PER_ROW = 16
+# Why the Gluon forward failed in this process, if it did: it is not tried again.
+_failure: str | None = None
 
 
 @functools.cache
@@ -61,7 +65,7 @@ def runs(problem) -> bool:
     """Whether the Gluon forward runs `problem` (the rules in this module's docstring, but the
     tensors' own layout, which `descriptors` checks per call)."""
     setting = gluon_setting()
-    if (setting == "never" or problem.interpret or problem.dtype not in (torch.float16, torch.bfloat16)
+    if (setting == "never" or _failure is not None or problem.interpret or problem.dtype not in (torch.float16, torch.bfloat16)
             or problem.D != problem.Dv or problem.D not in HEAD_DIMS or tiles.forward_forced()
             or problem.Lq < CONFIG.block_m // 2 or problem.Lkv < CONFIG.block_n
             or not _is_hopper(problem.device) or _gluon() is None):
@@ -82,6 +86,17 @@ def _faster(problem) -> bool:
     return (bm.num_full + bm.num_partial) * q_multiple * kv_multiple >= MIN_TILES_PER_ROW * rows
 
 
+def failed(error: Exception) -> None:
+    """The first launch of a Gluon forward failed (a Triton whose Gluon differs from the 3.6 and
+    3.9 the template was compiled with, a GPU with less shared memory): the Triton-language
+    forward runs from now on in this process, and a warning says so once."""
+    global _failure
+    _failure = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+    warnings.warn(f"maskc's Gluon forward for Hopper failed on its first launch with Triton {triton.__version__} "
+                  f"({_failure}); maskc runs its Triton-language forward instead from now on. Set MASKC_GLUON=0 to "
+                  f"skip the attempt, and please report the error", RuntimeWarning, stacklevel=4)
+
+
 def descriptors(q, k, v, out):
     """Gluon tensor descriptors of q, k, v and out over [B, H, L, D], or None where one
     cannot have one (the copy engine's alignment rules)."""
@@ -98,4 +113,4 @@ def descriptors(q, k, v, out):
     return found
 
 
-__all__ = ["CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW", "descriptors", "runs"]
+__all__ = ["CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW", "descriptors", "failed", "runs"]

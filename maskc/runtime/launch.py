@@ -153,9 +153,7 @@ def forward(q, k, v, problem: Problem):
     lse = torch.empty((problem.B, problem.Hq, problem.Lq), dtype=accumulator(q.dtype), device=q.device)
     if hopper.runs(problem):
         tma = hopper.descriptors(q, k, v, out)
-        if tma is not None:
-            launch = problem.launches.get("hfwd") or _hopper_plan(problem)
-            launch(*tma, lse)
+        if tma is not None and _launch_hopper(problem, tma, lse):
             return out, lse
     config = problem.tiles.forward
     tma = None
@@ -189,6 +187,22 @@ def _forward_plan(problem: Problem, tma: bool) -> LaunchPlan:
     return plan
 
 
+def _launch_hopper(problem: Problem, tma, lse) -> bool:
+    """Launch the Gluon forward; False where its first launch failed (then the Triton forward runs)."""
+    plan = problem.launches.get("hfwd")
+    if plan is not None:
+        plan(*tma, lse)
+        return True
+    try:
+        plan = _hopper_plan(problem)
+        plan(*tma, lse)
+    except Exception as error:  # noqa: BLE001 (any failure of the first launch: hopper.failed names it)
+        hopper.failed(error)
+        return False
+    problem.launches["hfwd"] = plan
+    return True
+
+
 def _hopper_plan(problem: Problem) -> LaunchPlan:
     """The Gluon forward's launch (maskc/runtime/hopper.py)."""
     config = hopper.CONFIG
@@ -202,7 +216,6 @@ def _hopper_plan(problem: Problem) -> LaunchPlan:
     grid = (-(-problem.Lq // config.block_m), problem.B * problem.Hq)
     plan = LaunchPlan(kernel, "attention_fwd_hopper", False, grid, fixed, ("Q", "K", "V", "Out", "Lse"),
                       dict(num_warps=config.num_warps, maxnreg=hopper.MAX_REGISTERS))
-    problem.launches["hfwd"] = plan
     return plan
 
 
