@@ -124,5 +124,5 @@ def gluon() -> str:
     return "auto" if _flag("MASKC_GLUON", True) else "never"
 
 
-__all__ = ["SETTINGS", "Setting", "autotune", "cache_dir", "cache_max_size", "debug", "direct_launch", "gluon", "log_level",
-           "overridden", "parse_size", "triton_key_shortcut"]
+__all__ = ["SETTINGS", "Setting", "autotune", "cache_dir", "cache_max_size", "debug", "direct_launch", "gluon",
+           "log_level", "overridden", "parse_size", "triton_key_shortcut"]

@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 
 from maskc import masks, scores
 from maskc.codegen.render import render
-from maskc.codegen.source import KernelSource
+from maskc.codegen.source import KernelSource, merge
 from maskc.runtime import hopper, plan
 from maskc.testing import strategies
 from maskc.trace.mods import as_mask_mod, as_score_mod
 
-gluon = pytest.importorskip("triton.experimental.gluon")
+pytest.importorskip("triton.experimental.gluon")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
 SMEM_LIMIT = 232448  # bytes a Hopper block may have (227 KiB)
@@ -85,7 +85,6 @@ def _compile(mask, score, D: int):
 
 
 def _captured(mask, score):
-    from maskc.codegen.source import merge
     return merge(mask, score)[2]
 
 

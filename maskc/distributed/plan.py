@@ -57,10 +57,7 @@ class ContextParallelPlan:
 
     def chunks(self, rank: int) -> tuple[tuple[int, int, int], ...]:
         """(chunk, its global start, its offset in the rank's shard) for each chunk of `rank`."""
-        found = self._memo.get(("chunks", rank))
-        if found is None:
-            found = self._memo["chunks", rank] = self._chunks(rank)
-        return found
+        return self._memoised(("chunks", rank), lambda: self._chunks(rank))
 
     def _chunks(self, rank: int) -> tuple[tuple[int, int, int], ...]:
         out, offset = [], 0
@@ -77,18 +74,18 @@ class ContextParallelPlan:
     def pairs(self, step: int, rank: int | None = None) -> tuple[tuple[int, int], ...]:
         """The (query chunk, key chunk) pairs a rank computes at ring step `step`."""
         rank = self.rank if rank is None else rank
-        found = self._memo.get(("pairs", step, rank))
-        if found is None:
-            found = self._memo["pairs", step, rank] = self._layout.pairs(step, rank)
-        return found
+        return self._memoised(("pairs", step, rank), lambda: self._layout.pairs(step, rank))
 
     def keys_needed(self, step: int, rank: int | None = None) -> tuple[tuple[int, int, int], ...]:
         """(key chunk, lo, hi) for each chunk of rank - step whose keys [lo, hi) (offsets from the
         chunk's start) a rank reads at `step`, in that rank's shard order: what travels at the step."""
         rank = self.rank if rank is None else rank
-        found = self._memo.get(("keys", step, rank))
+        return self._memoised(("keys", step, rank), lambda: self._keys_needed(step, rank))
+
+    def _memoised(self, key, make):
+        found = self._memo.get(key)
         if found is None:
-            found = self._memo["keys", step, rank] = self._keys_needed(step, rank)
+            found = self._memo[key] = make()
         return found
 
     def _keys_needed(self, step: int, rank: int) -> tuple[tuple[int, int, int], ...]:

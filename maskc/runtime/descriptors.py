@@ -26,13 +26,13 @@ def descriptors(operands):
     """One TensorDescriptor per (tensor, block_shape), or None when any of them cannot have one."""
     if TensorDescriptor is None or not _has_copy_engine(operands[0][0].device):
         return None
-    if not all(_fits(t) for t, _ in operands):
+    if not all(fits(t) for t, _ in operands):
         return None
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), list(block)) for t, block in operands]
 
 
-def _fits(t: torch.Tensor) -> bool:
-    # The copy engine's rules: 16-byte aligned base and strides, a contiguous last dim.
+def fits(t: torch.Tensor) -> bool:
+    """Whether the copy engine can read `t`: a 16-byte aligned base and strides, a contiguous last dim."""
     size = t.element_size()
     return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
             and all(s > 0 and s * size % 16 == 0 for s in t.stride()[:-1]))

@@ -27,14 +27,15 @@ import torch
 import triton
 
 from maskc.runtime import tiles
+from maskc.runtime.descriptors import fits
 from maskc.settings import gluon as gluon_setting
 
 HEAD_DIMS = (64, 128)
 # 128 query rows a program, two consumer warpgroups of 64; 128-key tiles, three K/V stages (224 KiB
 # of shared memory at D=128 with q's two halves, of 227): three beat two by 10-12% at D=128 (no
-# mask 3.41 vs 3.81 ms, causal 1.82 vs 2.01) and tied at D=64 (benchmarks/NOTES.md). The kernel's 4 warps plus a 4-warp consumer and
-# a producer warp (allocated as 4): 12 warps of 168 registers fill the register file, and the
-# producer's 24 leave 240 for each consumer thread.
+# mask 3.41 vs 3.81 ms, causal 1.82 vs 2.01) and tied at D=64 (benchmarks/NOTES.md). The
+# kernel's 4 warps plus a 4-warp consumer and a producer warp (allocated as 4): 12 warps of 168
+# registers fill the register file, and the producer's 24 leave 240 for each consumer thread.
 CONFIG = tiles.TileConfig(128, 128, 4, 3)
 MAX_REGISTERS = 168
 # The fewest kv tiles (of CONFIG's 128 keys) a q row keeps on average for the Gluon kernel to
@@ -46,7 +47,8 @@ _failure: str | None = None
 
 @functools.cache
 def _gluon():
-    """Gluon's host-side descriptor and shared layout, or None where this Triton has no Gluon Hopper module."""
+    """Gluon's host-side descriptor, its shared layout and its dtypes, or None where this Triton has
+    no Gluon Hopper module."""
     try:
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401 (the kernel imports it)
@@ -64,11 +66,13 @@ def _is_hopper(device: torch.device) -> bool:
 def runs(problem) -> bool:
     """Whether the Gluon forward runs `problem` (the rules in this module's docstring, but the
     tensors' own layout, which `descriptors` checks per call)."""
+    # the problem's own facts first: the interpreter's calls and other shapes read no setting
+    if (problem.interpret or problem.dtype not in (torch.float16, torch.bfloat16) or problem.D != problem.Dv
+            or problem.D not in HEAD_DIMS or problem.Lq < CONFIG.block_m // 2 or problem.Lkv < CONFIG.block_n
+            or _failure is not None or tiles.forward_forced() or not _is_hopper(problem.device) or _gluon() is None):
+        return False
     setting = gluon_setting()
-    if (setting == "never" or _failure is not None or problem.interpret or problem.dtype not in (torch.float16, torch.bfloat16)
-            or problem.D != problem.Dv or problem.D not in HEAD_DIMS or tiles.forward_forced()
-            or problem.Lq < CONFIG.block_m // 2 or problem.Lkv < CONFIG.block_n
-            or not _is_hopper(problem.device) or _gluon() is None):
+    if setting == "never":
         return False
     if setting == "always":
         return True
@@ -104,8 +108,7 @@ def descriptors(q, k, v, out):
     rows = (CONFIG.block_m // 2, CONFIG.block_n, CONFIG.block_n, CONFIG.block_m // 2)
     found = []
     for t, n in zip((q, k, v, out), rows):
-        size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s <= 0 or s * size % 16 for s in t.stride()[:-1]):
+        if not fits(t):
             return None
         block = [1, 1, n, t.shape[3]]
         found.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block,

@@ -16,9 +16,9 @@ import time
 import torch
 
 from maskc._log import slow
+from maskc.runtime import hopper
 from maskc.runtime.descriptors import DESCRIPTOR_MIN_PAIRS, descriptors
 from maskc.runtime.dtypes import accumulator, dot_precision, interpreter_safe, triton_accumulator
-from maskc.runtime import hopper
 from maskc.runtime.kernel import CompiledKernel, kernel_for
 from maskc.runtime.plan import Problem
 from maskc.runtime.tiles import TileConfig, bh_group, descriptors_enabled, padded
@@ -214,9 +214,8 @@ def _hopper_plan(problem: Problem) -> LaunchPlan:
         BLOCK_N=config.block_n, EVEN_KV=problem.Lkv % config.block_n == 0, POSITIVE_SCALE=problem.scale > 0,
         STAGES=config.num_stages, BH_GROUP=bh_group(problem.D))
     grid = (-(-problem.Lq // config.block_m), problem.B * problem.Hq)
-    plan = LaunchPlan(kernel, "attention_fwd_hopper", False, grid, fixed, ("Q", "K", "V", "Out", "Lse"),
+    return LaunchPlan(kernel, "attention_fwd_hopper", False, grid, fixed, ("Q", "K", "V", "Out", "Lse"),
                       dict(num_warps=config.num_warps, maxnreg=hopper.MAX_REGISTERS))
-    return plan
 
 
 def seconds(q, k, v, problem: Problem) -> float:

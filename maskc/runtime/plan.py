@@ -93,7 +93,8 @@ class Problem:
     captured: dict  # kernel argument name -> captured tensor, its strides and sizes, or parameter value
     grad_slots: tuple[int, ...]  # captured tensors whose gradients the backward computes
     grad_tensors: tuple  # those tensors
-    launches: dict = field(default_factory=dict)  # LaunchPlans by kernel and variant, built on first use
+    # LaunchPlans by kernel and variant, built on first use; and "gluon faster", runtime/hopper.py's choice
+    launches: dict = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
