@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from maskc import masks, scores
 from maskc.codegen.render import render
 from maskc.codegen.source import KernelSource, merge
 from maskc.runtime import hopper, plan
-from maskc.testing import strategies
+from maskc.testing import assert_close_to_reference, attention_reference, strategies
 from maskc.trace.mods import as_mask_mod, as_score_mod
 
 pytest.importorskip("triton.experimental.gluon")
@@ -157,7 +158,6 @@ def test_a_failed_first_launch_warns_and_runs_the_triton_forward(monkeypatch):
     # a Triton whose Gluon API moved again, say: the call still answers, through the Triton kernel
     import maskc
     from maskc.runtime import launch
-    from maskc.testing import assert_close_to_reference, attention_reference
 
     def broken(problem):
         raise RuntimeError("async_copy_global_to_shared has been removed; call async_load instead")
@@ -173,3 +173,90 @@ def test_a_failed_first_launch_warns_and_runs_the_triton_forward(monkeypatch):
     assert_close_to_reference(out, attention_reference(q, k, v, masks.causal)[0])
     assert "RuntimeError" in hopper._failure
     plan.PLANS.clear()
+
+
+class _FakeGluonPlan:
+    """Stands in for the Gluon forward's launch plan on the CPU: its compile waits for `ready`
+    (or raises `error`); a launch is recorded and writes the Triton kernel's own result."""
+
+    def __init__(self, error=None):
+        self.ready, self.error, self.launched, self.warmed = threading.Event(), error, 0, 0
+
+    def warmup(self, q, k, v, out, lse):
+        self.warmed += 1
+        assert self.ready.wait(30)
+        if self.error:
+            raise self.error
+
+    def __call__(self, q, k, v, out, lse):
+        self.launched += 1
+        want, want_lse = attention_reference(q, k, v, masks.causal)
+        out.copy_(want)
+        lse.copy_(want_lse)
+
+
+def _gluon_everywhere(monkeypatch, fake):
+    from maskc.runtime import launch
+    monkeypatch.setattr(hopper, "_failure", None)
+    monkeypatch.setattr(hopper, "runs", lambda problem: hopper._failure is None)
+    monkeypatch.setattr(hopper, "descriptors", lambda q, k, v, out: [q, k, v, out])
+    monkeypatch.setattr(launch, "_hopper_plan", lambda problem: fake)
+    plan.PLANS.clear()
+
+
+def _inputs():
+    return [torch.randn(1, 2, 100, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+
+def test_a_new_gluon_kernel_compiles_while_the_triton_forward_answers(monkeypatch):
+    import maskc
+    fake = _FakeGluonPlan()
+    _gluon_everywhere(monkeypatch, fake)
+    q, k, v = _inputs()
+    want = attention_reference(q, k, v, masks.causal)[0]
+    try:
+        for _ in range(2):  # compiling: the Triton forward answers
+            assert_close_to_reference(maskc.compiled_attention(q, k, v, mask_mod=masks.causal), want)
+        assert (fake.warmed, fake.launched) == (1, 0)
+        fake.ready.set()
+        hopper.settle()
+        assert_close_to_reference(maskc.compiled_attention(q, k, v, mask_mod=masks.causal), want)
+        assert (fake.warmed, fake.launched) == (1, 1)
+    finally:
+        fake.ready.set()
+        plan.PLANS.clear()
+
+
+def test_a_failed_background_compile_warns_and_leaves_the_triton_forward(monkeypatch):
+    import maskc
+    fake = _FakeGluonPlan(error=RuntimeError("ptxas fatal: out of registers"))
+    _gluon_everywhere(monkeypatch, fake)
+    q, k, v = _inputs()
+    try:
+        maskc.compiled_attention(q, k, v, mask_mod=masks.causal)
+        fake.ready.set()
+        hopper.settle()
+        with pytest.warns(RuntimeWarning, match="Gluon forward for Hopper failed.*out of registers"):
+            out = maskc.compiled_attention(q, k, v, mask_mod=masks.causal)
+        assert_close_to_reference(out, attention_reference(q, k, v, masks.causal)[0])
+        assert fake.launched == 0
+    finally:
+        fake.ready.set()
+        plan.PLANS.clear()
+
+
+@pytest.mark.parametrize("how", ["always", "deterministic"])
+def test_always_and_deterministic_compile_before_the_first_call(monkeypatch, how):
+    import maskc
+    fake = _FakeGluonPlan()
+    fake.ready.set()
+    _gluon_everywhere(monkeypatch, fake)
+    if how == "always":
+        monkeypatch.setenv("MASKC_GLUON", "always")
+    else:
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    try:
+        maskc.compiled_attention(*_inputs(), mask_mod=masks.causal)
+        assert (fake.warmed, fake.launched) == (0, 1)
+    finally:
+        plan.PLANS.clear()

@@ -26,6 +26,7 @@ _BY_SERIAL: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _SERIAL = itertools.count()
 _GLYPHS = {EMPTY: "·", PARTIAL: "░", FULL: "█"}
 _PICTURE_MAX = 64
+_HOST_CELLS = 1 << 24  # tiles of a map whose derived maps are computed on the host (_work_device)
 
 
 class BlockMap:
@@ -105,14 +106,19 @@ class BlockMap:
         return self.full_offsets.device
 
     # -- other forms ------------------------------------------------------------------------
-    def to_dense(self) -> torch.Tensor:
-        """int8 tensor [B', H', q_tiles, kv_tiles]: 0 EMPTY, 1 PARTIAL, 2 FULL."""
+    def to_dense(self, device=None) -> torch.Tensor:
+        """int8 tensor [B', H', q_tiles, kv_tiles]: 0 EMPTY, 1 PARTIAL, 2 FULL, on `device`
+        (default: the map's)."""
+        device = self.device if device is None else torch.device(device)
         rows = self.B * self.H * self.n_q
-        grid = torch.zeros(rows, self.n_kv + 1, dtype=torch.int32, device=self.device)
-        for offsets, runs, value in ((self.full_offsets, self.full_runs, FULL),
-                                     (self.partial_offsets, self.partial_runs, PARTIAL)):
-            row = torch.repeat_interleave(torch.arange(rows, device=self.device), offsets.diff().long())
-            ones = torch.full((len(row),), value, dtype=torch.int32, device=self.device)
+        n = rows + 1
+        buffer = self._buffer.to(device)  # one copy where the device differs
+        runs = buffer[2 * n:].view(-1, 2)
+        grid = torch.zeros(rows, self.n_kv + 1, dtype=torch.int32, device=device)
+        for offsets, runs, value in ((buffer[:n], runs[:self._n_full], FULL),
+                                     (buffer[n:2 * n], runs[self._n_full:], PARTIAL)):
+            row = torch.repeat_interleave(torch.arange(rows, device=device), offsets.diff().long())
+            ones = torch.full((len(row),), value, dtype=torch.int32, device=device)
             grid.index_put_((row, runs[:, 0].long()), ones, accumulate=True)
             grid.index_put_((row, runs[:, 1].long()), -ones, accumulate=True)
         return grid.cumsum(-1)[:, : self.n_kv].to(torch.int8).reshape(self.shape)
@@ -120,10 +126,18 @@ class BlockMap:
     @functools.cached_property
     def transposed(self) -> "BlockMap":
         """The map of kv-tile rows over q tiles, for the backward pass's dK/dV loop."""
-        dense = self.to_dense().transpose(-1, -2)
+        dense = self.to_dense(self._work_device()).transpose(-1, -2)
         pieces = Pieces.from_grid(dense, torch.ones_like(dense, dtype=torch.bool), dense.shape[:3])
         return BlockMap(pieces, q_len=self.kv_len, kv_len=self.q_len, block_size=self.block_size[::-1],
-                        mask_name=f"{self.mask_name}ᵀ")
+                        mask_name=f"{self.mask_name}ᵀ", device=self.device)
+
+    def _work_device(self) -> torch.device:
+        """Where the maps derived from this one (transposed, coarsened) are computed: on the
+        host up to _HOST_CELLS tiles, then moved in one copy. On a GPU each torch op's first
+        use in a process loads its kernel: densifying a 64×64-tile map there took 0.2-0.3 s of
+        a warm process's first call on an H200 (benchmarks/compile_latency.py)."""
+        cells = self.B * self.H * self.n_q * self.n_kv
+        return torch.device("cpu") if cells <= _HOST_CELLS else self.device
 
     def to_flex_block_mask(self, B: int | None = None, H: int | None = None, *, separate_full_blocks: bool = True):
         """The same tiles as a torch BlockMask for flex_attention (B, H broadcast to the given sizes).
@@ -213,7 +227,7 @@ class BlockMap:
         found = self._coarse.get((q_factor, kv_factor))
         if found is not None:
             return found
-        dense = self.to_dense()
+        dense = self.to_dense(self._work_device())
         pad = (0, -self.n_kv % kv_factor, 0, -self.n_q % q_factor)
         shape = (self.B, self.H, -(-self.n_q // q_factor), q_factor, -(-self.n_kv // kv_factor), kv_factor)
         # tiles past the matrix's end count as FULL for "all FULL" and EMPTY for "any kept"
@@ -223,7 +237,7 @@ class BlockMap:
         pieces = Pieces.from_grid(grid, torch.ones_like(grid, dtype=torch.bool), grid.shape[:3])
         coarse = BlockMap(pieces, q_len=self.q_len, kv_len=self.kv_len,
                           block_size=(self.block_size[0] * q_factor, self.block_size[1] * kv_factor),
-                          mask_name=self.mask_name, mask_mod=self.mask_mod, traced=self.traced)
+                          mask_name=self.mask_name, mask_mod=self.mask_mod, traced=self.traced, device=self.device)
         coarse.tensor_versions = self.tensor_versions  # built from this map, so from these versions
         self._coarse[(q_factor, kv_factor)] = coarse
         return coarse

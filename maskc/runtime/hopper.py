@@ -17,11 +17,20 @@ D=128 (1.08×, which the rule leaves: it lost 0.82× at D=64); it lost on 12 cau
 (0.55-0.70×: about 6 tiles a row, and each run pays its pipeline's start) and on softcap
 (0.46-0.56×: tanh's arithmetic, on 8 math warps a multiprocessor against the Triton kernel's
 12). MASKC_GLUON=always runs it wherever it can (the GPU check does).
+
+A new Gluon kernel compiles in a background thread while the Triton forward serves the calls
+(`compile_later`): the Gluon kernel took 3.0 s to compile on the H200 machine against the
+Triton forward's 0.7 s, which put a new mask's first result at 3.7 s (benchmarks/
+compile_latency.py). The first call that finds it compiled switches to it, so a problem's
+first few outputs and the later ones can differ in the last bits (the two kernels add in
+different orders). MASKC_GLUON=always and torch.use_deterministic_algorithms(True) compile it
+before the first call instead; `settle()` waits for the compiles under way (benchmarks do).
 """
 from __future__ import annotations
 
 import functools
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import triton
@@ -43,6 +52,10 @@ MAX_REGISTERS = 168
 MIN_TILES_PER_ROW = 16
 # Why the Gluon forward failed in this process, if it did: it is not tried again.
 _failure: str | None = None
+# One thread compiles the Gluon kernels (compile_later): Triton's compiler releases the GIL in its
+# passes and ptxas, so the caller's thread goes on launching meanwhile.
+_compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maskc-gluon")
+_pending: list[Future] = []
 
 
 @functools.cache
@@ -90,7 +103,32 @@ def _faster(problem) -> bool:
     return (bm.num_full + bm.num_partial) * q_multiple * kv_multiple >= MIN_TILES_PER_ROW * rows
 
 
-def failed(error: Exception) -> None:
+def in_background() -> bool:
+    """Whether a new Gluon kernel compiles beside the Triton forward (see the module's docstring)
+    rather than before the call that needs it."""
+    return gluon_setting() == "auto" and not torch.are_deterministic_algorithms_enabled()
+
+
+def compile_later(device: torch.device, compile_kernel) -> Future:
+    """Run `compile_kernel()` on the compiling thread with `device` current (Triton compiles for
+    the current device's architecture)."""
+    def run():
+        if device.type == "cuda":  # the thread only compiles: its current device can stay set
+            torch.cuda.set_device(device)
+        compile_kernel()
+    future = _compiler.submit(run)
+    _pending.append(future)
+    return future
+
+
+def settle() -> None:
+    """Wait until every Gluon kernel under compilation is compiled (or has failed): the calls
+    after this one run whichever forward the rule picks, as a benchmark needs."""
+    while _pending:
+        _pending.pop().exception()  # waits; a failure is reported by the call that finds it
+
+
+def failed(error: BaseException) -> None:
     """The first launch of a Gluon forward failed (a Triton whose Gluon differs from the 3.6 and
     3.9 the template was compiled with, a GPU with less shared memory): the Triton-language
     forward runs from now on in this process, and a warning says so once."""
@@ -116,4 +154,5 @@ def descriptors(q, k, v, out):
     return found
 
 
-__all__ = ["CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW", "descriptors", "failed", "runs"]
+__all__ = ["CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW", "compile_later", "descriptors", "failed",
+           "in_background", "runs", "settle"]

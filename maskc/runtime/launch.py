@@ -51,7 +51,8 @@ class LaunchPlan:
             # codegen and runtime disagree about the kernel's arguments: a maskc bug, named
             raise RuntimeError(f"maskc launch of {name} in {kernel.path}: no value for {missing}, values for "
                                f"parameters it does not have {unknown}")
-        self.fn = kernel.function(interpret, name)[grid]
+        self._jit = kernel.function(interpret, name)
+        self.fn = self._jit[grid]
         self._what = f"{name} of {kernel.path.name}"
         self._launched = False
         self._args = [fixed.get(p) for p in params]
@@ -75,6 +76,14 @@ class LaunchPlan:
         if direct is False and direct_launch():
             self._direct = _direct_runner(compiled, self._grid, values)
         return compiled
+
+    def warmup(self, *values):
+        """Compile the kernel for these per-call values without launching it (Triton's warmup):
+        the first call then finds it compiled."""
+        args = self._args.copy()
+        for slot, value in zip(self._slots, values):
+            args[slot] = value
+        self._jit.warmup(*args, grid=self._grid, **self._options)
 
     def _first(self, args):
         """The first launch, in which Triton compiles the kernel for these constexprs (or finds
@@ -188,13 +197,32 @@ def _forward_plan(problem: Problem, tma: bool) -> LaunchPlan:
 
 
 def _launch_hopper(problem: Problem, tma, lse) -> bool:
-    """Launch the Gluon forward; False where its first launch failed (then the Triton forward runs)."""
+    """Launch the Gluon forward; False where it is still compiling in the background or its
+    first launch failed (then the Triton forward runs this call; maskc/runtime/hopper.py)."""
     plan = problem.launches.get("hfwd")
     if plan is not None:
         plan(*tma, lse)
         return True
+    pending = problem.launches.get("hfwd compiling")
+    if pending is None and hopper.in_background():
+        try:
+            plan = _hopper_plan(problem)
+        except Exception as error:  # noqa: BLE001 (rendering or loading its file: hopper.failed names it)
+            hopper.failed(error)
+            return False
+        problem.launches["hfwd compiling"] = (plan, hopper.compile_later(problem.device,
+                                                                           lambda: plan.warmup(*tma, lse)))
+        return False
+    if pending is not None:
+        plan, compiling = pending
+        if not compiling.done():
+            return False
+        del problem.launches["hfwd compiling"]
+        if compiling.exception() is not None:
+            hopper.failed(compiling.exception())
+            return False
     try:
-        plan = _hopper_plan(problem)
+        plan = plan or _hopper_plan(problem)
         plan(*tma, lse)
     except Exception as error:  # noqa: BLE001 (any failure of the first launch: hopper.failed names it)
         hopper.failed(error)
