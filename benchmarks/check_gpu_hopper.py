@@ -1,14 +1,14 @@
-"""The Gluon Hopper forward (templates/attention_fwd_hopper.py.jinja) on an H100/H200: correctness
-against the float64 reference, then one A/B table beside the Triton-language forward,
-FlexAttention and SDPA.
+"""The Gluon Hopper kernels (templates/attention_fwd_hopper.py.jinja, attention_bwd_hopper.py.jinja)
+on an H100/H200: correctness against the float64 reference, then A/B tables beside the
+Triton-language kernels, FlexAttention and SDPA (forward; forward + backward).
 
-    bash benchmarks/run_gpu.sh benchmarks/check_gpu_hopper.py [--no-timing] [--examples 30]
+    bash benchmarks/run_gpu.sh benchmarks/check_gpu_hopper.py [--no-timing] [--examples 30] [--timing fwd,bwd]
 
 The CPU suite cannot run Gluon (the interpreter runs only Triton's language), so this is its
-check: every case asserts that the Gluon kernel ran (its launch plan exists), and compares
-out and LSE with the float64 reference on ragged lengths, GQA, D=64 and 128, bf16 and fp16,
-the workloads' masks and score mods and hypothesis-drawn ones (maskc.testing.strategies).
-Exits non-zero on any failure.
+check: every case asserts that the Gluon forward and dK/dV kernels ran (their launch plans
+exist), and compares out, LSE, dQ, dK and dV with the float64 reference on ragged lengths, GQA,
+D=64 and 128, bf16 and fp16, the workloads' masks and score mods and hypothesis-drawn ones
+(maskc.testing.strategies). Exits non-zero on any failure.
 """
 from __future__ import annotations
 
@@ -58,21 +58,39 @@ def cases(Lq, Lkv, H):
     ]
 
 
-def ran_gluon() -> bool:
-    return any("hfwd" in p.launches for p in plans.PLANS.values())
+def ran_gluon(key: str = "hfwd") -> bool:
+    return any(key in p.launches for p in plans.PLANS.values())
+
+
+def _close_gradient(got, want, dtype, what: str) -> None:
+    """assert_close_to_reference with a floor under the reference's norm (check_gpu_all.py's)."""
+    floor = 1e-3 * want.numel() ** 0.5
+    if want.double().norm() >= floor:
+        assert_close_to_reference(got, want, dtype, what=what)
+        return
+    err = (got.double() - want.double()).norm() / floor
+    tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
+    assert err <= tol, f"{what} error {float(err):.3e} (against a floor of {floor:.1e}) exceeds {tol:.0e}"
 
 
 def check(label, q, k, v, mask, score) -> int:
     kwargs = dict(mask_mod=mask, score_mod=score, enable_gqa=q.shape[1] != k.shape[1])
     plans.PLANS.clear()
     try:
-        ref, ref_lse = attention_reference(q, k, v, **kwargs)
-        out, lse = maskc.compiled_attention(q, k, v, return_lse=True, **kwargs)
-        assert ran_gluon(), "the Gluon kernel did not run"
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref, ref_lse = attention_reference(*exact, **kwargs)
+        out, lse = maskc.compiled_attention(*leaves, return_lse=True, **kwargs)
+        assert ran_gluon(), "the Gluon forward did not run"
         assert_close_to_reference(out, ref, q.dtype)
         finite = torch.isfinite(ref_lse)
         assert torch.equal(torch.isfinite(lse), finite), "lse: -inf rows differ"
         assert_close_to_reference(lse[finite], ref_lse[finite], torch.float32, what="lse")
+        d_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, leaves, d_out)
+        assert ran_gluon("hbwd"), "the Gluon dK/dV kernel did not run"
+        for what, g, w in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(ref, exact, d_out.double())):
+            _close_gradient(g, w, q.dtype, what)
         print(f"ok    {label}")
         return 0
     except Exception as e:  # noqa: BLE001 (a compile error is a failure to report, not a stop)
@@ -165,10 +183,52 @@ def timing():
                   flush=True)
 
 
+def timing_backward():
+    """Forward + backward: Gluon forward and dK/dV, Gluon forward with the Triton dK/dV, both
+    Triton (MASKC_GLUON=0), and FlexAttention, timed in turn, two rounds, minimum."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from maskc.runtime.tiles import backward_config, use_config
+    from workloads import workloads
+    torch._dynamo.config.recompile_limit = 64
+    flex = torch.compile(flex_attention, dynamic=False)
+    B, H, L = 4, 16, 8192
+    print(f"\nforward + backward, B={B} H={H} L={L} bf16, ms (median of do_bench)")
+    print(f"{'workload':22s} {'D':>4s} {'gluon':>8s} {'g+tri':>8s} {'triton':>8s} {'flex':>8s} {'flex/g':>7s} "
+          f"{'flex/g+t':>8s} {'flex/t':>7s}")
+    for D in (128, 64):
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        d_out = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
+        for name, mask, score in workloads(L, H, "cuda"):
+            def step(flag, triton_backward=False):
+                def run():
+                    os.environ["MASKC_GLUON"] = flag
+                    with use_config(backward=backward_config(D, "cuda") if triton_backward else None):
+                        maskc.compiled_attention(q, k, v, mask_mod=mask, score_mod=score).backward(d_out)
+                return run
+            bm = create_block_mask(mask, None, None, L, L, device="cuda") if mask is not None else None
+
+            def flex_step():
+                flex(q, k, v, score_mod=score, block_mask=bm).backward(d_out)
+            arms = {"gluon": step("always"), "g+tri": step("always", True), "triton": step("0"), "flex": flex_step}
+            times = {}
+            for _ in range(2):
+                for arm, run in arms.items():
+                    run()
+                    hopper.settle()
+                    times.setdefault(arm, []).append(triton.testing.do_bench(run, warmup=10, rep=100))
+            ms = {arm: min(t) for arm, t in times.items()}
+            print(f"{name:22s} {D:4d} {ms['gluon']:8.3f} {ms['g+tri']:8.3f} {ms['triton']:8.3f} {ms['flex']:8.3f} "
+                  f"{ms['flex'] / ms['gluon']:7.2f} {ms['flex'] / ms['g+tri']:8.2f} {ms['flex'] / ms['triton']:7.2f}",
+                  flush=True)
+    os.environ["MASKC_GLUON"] = "1"
+
+
 def main():
     os.environ["MASKC_GLUON"] = "always"  # wherever it can run, small shapes too
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--timing", default="fwd,bwd", help="which tables: fwd (forward), bwd (forward + backward)")
     parser.add_argument("--no-check", action="store_true", help="the timing table only")
     parser.add_argument("--examples", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="the first two shapes, bfloat16 only")
@@ -191,7 +251,10 @@ def main():
         failures += drawn(args.examples)
     print(f"{failures} failures")
     if not args.no_timing:
-        timing()
+        if "fwd" in args.timing.split(","):
+            timing()
+        if "bwd" in args.timing.split(","):
+            timing_backward()
     sys.exit(1 if failures else 0)
 
 

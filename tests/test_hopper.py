@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from maskc import masks, scores
-from maskc.codegen.render import render
+from maskc.codegen.render import KERNEL_NAMES, render
 from maskc.codegen.source import KernelSource, merge
 from maskc.runtime import hopper, plan
 from maskc.testing import assert_close_to_reference, attention_reference, strategies
@@ -32,8 +32,9 @@ pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 SMEM_LIMIT = 232448  # bytes a Hopper block may have (227 KiB)
 
 
-def _compile(mask, score, D: int):
-    """Render the Hopper forward for `mask` and `score` and compile it for sm_90 at head dim D."""
+def _compile(mask, score, D: int, kind: str = "hfwd"):
+    """Render the Hopper forward (kind "hfwd") or dK/dV kernel ("hbwd") for `mask` and `score`
+    and compile it for sm_90 at head dim D."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -41,32 +42,37 @@ def _compile(mask, score, D: int):
 
     mt = as_mask_mod(mask).traced if mask is not None else None
     st_ = as_score_mod(score).traced if score is not None else None
-    source = KernelSource.of("hfwd", mt, st_, exact=False)
+    source = KernelSource.of(kind, mt, st_, exact=False)
     rendered = render(source)
     # Triton reads a kernel's source from its file
-    path = Path(tempfile.mkdtemp()) / f"hfwd_{source.digest(codegen_hash='test', maskc_version='test')}.py"
+    path = Path(tempfile.mkdtemp()) / f"{kind}_{source.digest(codegen_hash='test', maskc_version='test')}.py"
     path.write_text(rendered.text)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    fn = module.attention_fwd_hopper
-    config = hopper.CONFIG
+    name = KERNEL_NAMES[kind][0]
+    fn = getattr(module, name)
+    config = hopper.CONFIG if kind == "hfwd" else hopper.BACKWARD[D]
 
     def desc(rows):
         layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], gl.bfloat16)
         return f"tensordesc<bf16[1, 1, {rows}, {D}],{layout!r}>"
 
-    constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN_KV=False, POSITIVE_SCALE=True,
-                      STAGES=config.num_stages, BH_GROUP=2, SPARSE_Q_MULTIPLE=1, SPARSE_KV_MULTIPLE=2)
-    params = rendered.parameters["attention_fwd_hopper"]
+    constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN_KV=False, EVEN=False,
+                      POSITIVE_SCALE=True, STAGES=config.num_stages, BH_GROUP=2, SPARSE_Q_MULTIPLE=1,
+                      SPARSE_KV_MULTIPLE=2)
+    # the copy boxes' rows: the forward's q and out are a consumer's half of the q tile; the
+    # dK/dV kernel's k and v a consumer's half of the kv tile
+    rows = dict(Q=config.block_m // 2, Out=config.block_m // 2, K=config.block_n, V=config.block_n) if kind == "hfwd" \
+        else dict(Q=config.block_m, DO=config.block_m, K=config.block_n // 2, V=config.block_n // 2)
     signature, constants = {}, {}
     tensors = {f"T{i}": t for i, t in enumerate(_captured(mt, st_))}
-    for i, p in enumerate(params):
-        if p in ("Q", "Out"):
-            signature[p] = desc(config.block_m // 2)
-        elif p in ("K", "V"):
-            signature[p] = desc(config.block_n)
-        elif p == "Lse":
+    for i, p in enumerate(rendered.parameters[name]):
+        if p in rows:
+            signature[p] = desc(rows[p])
+        elif p in ("DK", "DV"):
+            signature[p] = "*bf16"
+        elif p in ("Lse", "Delta"):
             signature[p] = "*fp32"
         elif p in ("FULL_OFFSETS", "FULL_RUNS", "PARTIAL_OFFSETS", "PARTIAL_RUNS"):
             signature[p] = "*i32"
@@ -118,13 +124,22 @@ def test_the_hopper_forward_compiles_for_sm90(name, mask, score, D):
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_drawn_mods_compile_for_sm90(data):
+    # the forward; the dK/dV kernel prints the same hooks (test below)
     mask = data.draw(strategies.masks(100, 90, H=2))
     score = data.draw(strategies.score_mods(100, 90, H=2))
     _check(_compile(mask, score, data.draw(st.sampled_from([64, 128]))))
 
 
-def _problem(mask, score, L):
-    q = torch.empty(1, 2, L, 64)
+# the dK/dV kernel: the mask, the score mod and its derivative in the transposed tile, at the
+# head dim it runs at by default (64) and the one MASKC_GLUON=always adds
+@pytest.mark.parametrize("name, mask, score, D", [(*c, 64) for c in CASES[1:5]] + [(*CASES[5], 128)],
+                         ids=[f"{c[0]}-64" for c in CASES[1:5]] + [f"{CASES[5][0]}-128"])
+def test_the_hopper_dkdv_kernel_compiles_for_sm90(name, mask, score, D):
+    _check(_compile(mask, score, D, kind="hbwd"))
+
+
+def _problem(mask, score, L, D=64):
+    q = torch.empty(1, 2, L, D)
     mask, score = as_mask_mod(mask) if mask else None, as_score_mod(score) if score else None
     return plan.problem_of(q, q, q, mask, score, 0.125, plan.traces_of(mask, score))
 
@@ -139,6 +154,23 @@ def _problem(mask, score, L):
 ], ids=["no mask", "causal 8192", "causal 2048", "sliding", "ALiBi", "softcap"])
 def test_the_kernel_is_chosen_where_it_measured_faster(mask, score, L, faster):
     assert hopper._faster(_problem(mask, score, L)) is faster
+
+
+@pytest.mark.parametrize("setting, D, forced, runs", [
+    ("1", 64, False, True),  # measured 7-13% faster on all seven workloads
+    ("1", 128, False, False),  # measured -2% to +2%
+    ("always", 128, False, True),
+    ("0", 64, False, False),
+    ("1", 64, True, False),  # backward tiles forced (tune.py): the Triton kernels'
+])
+def test_the_dkdv_kernel_is_chosen_at_the_head_dims_it_measured_faster(monkeypatch, setting, D, forced, runs):
+    from maskc.runtime.tiles import BackwardConfig, TileConfig, use_config
+    monkeypatch.setattr(hopper, "_can_run", lambda problem: True)  # as on an H100 with Gluon
+    monkeypatch.setenv("MASKC_GLUON", setting)
+    problem = _problem(masks.causal, None, 256, D)
+    forcing = BackwardConfig(TileConfig(32, 32, 4, 1), TileConfig(32, 32, 4, 1)) if forced else None
+    with use_config(backward=forcing):
+        assert hopper.runs_backward(problem) is runs
 
 
 def test_descriptors_follow_the_copy_engines_rules():

@@ -21,11 +21,12 @@ from maskc.errors import MaskcError
 from maskc.trace.symbols import INTEGER_OPS, KV_IDX, Q_IDX, SCORE, LoadFloat
 
 TEMPLATES = {"fwd": "attention_fwd.py.jinja", "bwd": "attention_bwd.py.jinja", "dec": "attention_decode.py.jinja",
-             "hfwd": "attention_fwd_hopper.py.jinja"}
+             "hfwd": "attention_fwd_hopper.py.jinja", "hbwd": "attention_bwd_hopper.py.jinja"}
 # The kernels each kind of file defines (@triton.jit, or @gluon.jit for the Gluon kinds).
 KERNEL_NAMES = {"fwd": ("attention_fwd",), "bwd": ("attention_bwd_dq", "attention_bwd_dkdv", "attention_bwd_delta"),
-                "dec": ("attention_decode", "attention_combine"), "hfwd": ("attention_fwd_hopper",)}
-GLUON_KINDS = ("hfwd",)
+                "dec": ("attention_decode", "attention_combine"), "hfwd": ("attention_fwd_hopper",),
+                "hbwd": ("attention_bwd_dkdv_hopper",)}
+GLUON_KINDS = ("hfwd", "hbwd")
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,7 +106,7 @@ def _hooks(spec: KernelSource) -> dict:
     mask = sympy.true if spec.mask_expr is None else spec.mask_expr
     _name(hooks, "mask", printer.block([mask], "_mask")[0])
     score_grad, loads = None, []
-    if spec.kind == "bwd" and spec.score_expr is not None:
+    if spec.kind in ("bwd", "hbwd") and spec.score_expr is not None:
         score_grad = score_derivative(spec.score_expr)
         score_grad = None if score_grad == 1 else score_grad
         loads = _float_loads(spec.score_expr, spec.grad_slots)

@@ -18,7 +18,8 @@ from maskc.trace import dag
 from maskc.trace.symbols import is_load, param_symbol
 from maskc.trace.tracer import Traced
 
-KINDS = ("fwd", "bwd", "dec", "hfwd")  # forward, backward, decoding (split-KV), Hopper forward (Gluon)
+# forward, backward, decoding (split-KV), Hopper forward and dK/dV (Gluon)
+KINDS = ("fwd", "bwd", "dec", "hfwd", "hbwd")
 
 
 @dataclass(frozen=True)

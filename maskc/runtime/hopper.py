@@ -1,7 +1,9 @@
-"""The Gluon forward for Hopper GPUs (templates/attention_fwd_hopper.py.jinja): when it runs,
-its tiles and its descriptors (its launch plan is maskc/runtime/launch.py's).
+"""The Gluon kernels for Hopper GPUs: the forward (templates/attention_fwd_hopper.py.jinja) and
+dK/dV (attention_bwd_hopper.py.jinja; the backward's dQ and Delta stay Triton-language
+kernels): when they run, their tiles and their descriptors (their launch plans are
+maskc/runtime/launch.py's).
 
-It can run where all of these hold, else the Triton-language forward does (the interpreter
+They can run where all of these hold, else the Triton-language kernels do (the interpreter
 on CPU tensors, other GPUs, other head dims, float32 and float64, a Triton without Gluon):
 a CUDA device of compute capability 9.0; Gluon's Hopper module importable; float16 or
 bfloat16; q/k and v head dims equal and 64 or 128; at least a copy box of queries (64) and of
@@ -16,9 +18,10 @@ prefix-LM and ALiBi (1.12-1.26× at D=128, 1.01-1.09× at D=64) and on a 1024 sl
 D=128 (1.08×, which the rule leaves: it lost 0.82× at D=64); it lost on 12 causal documents
 (0.55-0.70×: about 6 tiles a row, and each run pays its pipeline's start) and on softcap
 (0.46-0.56×: tanh's arithmetic, on 8 math warps a multiprocessor against the Triton kernel's
-12). MASKC_GLUON=always runs it wherever it can (the GPU check does).
+12). The dK/dV kernel runs by default at D=64 only (AUTO_BACKWARD_DIMS), whichever forward ran.
+MASKC_GLUON=always runs both wherever they can (the GPU check does).
 
-A new Gluon kernel compiles in a background thread while the Triton forward serves the calls
+A new Gluon kernel compiles in a background thread while the Triton kernel serves the calls
 (`compile_later`): the Gluon kernel took 3.0 s to compile on the H200 machine against the
 Triton forward's 0.7 s, which put a new mask's first result at 3.7 s (benchmarks/
 compile_latency.py). The first call that finds it compiled switches to it, so a problem's
@@ -47,6 +50,14 @@ HEAD_DIMS = (64, 128)
 # registers fill the register file, and the producer's 24 leave 240 for each consumer thread.
 CONFIG = tiles.TileConfig(128, 128, 4, 3)
 MAX_REGISTERS = 168
+# The dK/dV kernel (templates/attention_bwd_hopper.py.jinja): block_m the q tile it loops over,
+# block_n its 128 kv rows (two consumer warpgroups of 64), two Q/dO stages. At D=128, 64-row q
+# tiles need more than the consumers' 240 registers (ptxas spilled 596 bytes); 32 rows spill 4.
+BACKWARD = {64: tiles.TileConfig(64, 128, 4, 2), 128: tiles.TileConfig(32, 128, 4, 2)}
+# Where the dK/dV kernel runs by default: against the Triton dK/dV kernel, forward + backward
+# (B=4 H=16 L=8192 bf16, H200, one run) went 7-13% faster on all seven workloads at D=64, and
+# -2% to +2% at D=128 (no mask 17.31 vs 16.91 ms, causal 9.25 vs 9.37): benchmarks/NOTES.md.
+AUTO_BACKWARD_DIMS = (64,)
 # The fewest kv tiles (of CONFIG's 128 keys) a q row keeps on average for the Gluon kernel to
 # be chosen: the sliding window that tied kept ~9, causal at 8192 keeps ~32.
 MIN_TILES_PER_ROW = 16
@@ -76,13 +87,18 @@ def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def runs(problem) -> bool:
-    """Whether the Gluon forward runs `problem` (the rules in this module's docstring, but the
-    tensors' own layout, which `descriptors` checks per call)."""
+def _can_run(problem) -> bool:
+    """Whether the Gluon kernels can run `problem` (the rules in this module's docstring, but the
+    tensors' own layout, which the descriptors check per call, and the forward's tiles)."""
     # the problem's own facts first: the interpreter's calls and other shapes read no setting
-    if (problem.interpret or problem.dtype not in (torch.float16, torch.bfloat16) or problem.D != problem.Dv
-            or problem.D not in HEAD_DIMS or problem.Lq < CONFIG.block_m // 2 or problem.Lkv < CONFIG.block_n
-            or _failure is not None or tiles.forward_forced() or not _is_hopper(problem.device) or _gluon() is None):
+    return not (problem.interpret or problem.dtype not in (torch.float16, torch.bfloat16) or problem.D != problem.Dv
+                or problem.D not in HEAD_DIMS or problem.Lq < CONFIG.block_m // 2 or problem.Lkv < CONFIG.block_n
+                or _failure is not None or not _is_hopper(problem.device) or _gluon() is None)
+
+
+def runs(problem) -> bool:
+    """Whether the Gluon forward runs `problem`."""
+    if tiles.forward_forced() or not _can_run(problem):
         return False
     setting = gluon_setting()
     if setting == "never":
@@ -93,6 +109,16 @@ def runs(problem) -> bool:
     if faster is None:
         faster = problem.launches["gluon faster"] = _faster(problem)
     return faster
+
+
+def runs_backward(problem) -> bool:
+    """Whether the Gluon dK/dV kernel runs `problem`'s backward: where the Gluon forward can
+    (the forward's shapes cover the dK/dV kernel's tiles) and no backward tiles are forced; by
+    default only at D=64, where it measured faster on all seven workloads (AUTO_BACKWARD_DIMS)."""
+    if tiles.backward_forced() or not _can_run(problem):
+        return False
+    setting = gluon_setting()
+    return setting == "always" or (setting == "auto" and problem.D in AUTO_BACKWARD_DIMS)
 
 
 def _faster(problem) -> bool:
@@ -140,12 +166,23 @@ def failed(error: BaseException) -> None:
 
 
 def descriptors(q, k, v, out):
-    """Gluon tensor descriptors of q, k, v and out over [B, H, L, D], or None where one
-    cannot have one (the copy engine's alignment rules)."""
-    TensorDescriptor, Layout, dtypes = _gluon()
+    """Gluon tensor descriptors of q, k, v and out over [B, H, L, D] for the forward, or None
+    where one cannot have one (the copy engine's alignment rules)."""
     rows = (CONFIG.block_m // 2, CONFIG.block_n, CONFIG.block_n, CONFIG.block_m // 2)
+    return _descriptors((q, k, v, out), rows)
+
+
+def backward_descriptors(q, k, v, d_out, head_dim: int):
+    """Gluon tensor descriptors of q, k, v and dO for the dK/dV kernel, or None."""
+    config = BACKWARD[head_dim]
+    rows = (config.block_m, config.block_n // 2, config.block_n // 2, config.block_m)
+    return _descriptors((q, k, v, d_out), rows)
+
+
+def _descriptors(tensors, rows):
+    TensorDescriptor, Layout, dtypes = _gluon()
     found = []
-    for t, n in zip((q, k, v, out), rows):
+    for t, n in zip(tensors, rows):
         if not fits(t):
             return None
         block = [1, 1, n, t.shape[3]]
@@ -154,5 +191,5 @@ def descriptors(q, k, v, out):
     return found
 
 
-__all__ = ["CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW", "compile_later", "descriptors", "failed",
-           "in_background", "runs", "settle"]
+__all__ = ["AUTO_BACKWARD_DIMS", "BACKWARD", "CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW", "backward_descriptors",
+           "compile_later", "descriptors", "failed", "in_background", "runs", "runs_backward", "settle"]

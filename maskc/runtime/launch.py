@@ -3,7 +3,8 @@ only its tensors and their strides.
 
 The forward kernel, then the backward's three: a preprocess computes Delta = rowsum(dO * O);
 dQ runs over the block map, dK/dV over its transpose, summed over the query heads of a GQA
-group inside the kernel. Every kernel reads the one block map of the call at its own tiles
+group inside the kernel. On Hopper the forward and dK/dV may be Gluon kernels instead
+(maskc/runtime/hopper.py decides). Every kernel reads the one block map of the call at its own tiles
 (BlockMap.for_tiles). dQ and the forward load and store through tensor descriptors where the
 layout and size allow (maskc/runtime/descriptors.py); dK/dV keeps pointers, which measured
 faster there.
@@ -162,7 +163,7 @@ def forward(q, k, v, problem: Problem):
     lse = torch.empty((problem.B, problem.Hq, problem.Lq), dtype=accumulator(q.dtype), device=q.device)
     if hopper.runs(problem):
         tma = hopper.descriptors(q, k, v, out)
-        if tma is not None and _launch_hopper(problem, tma, lse):
+        if tma is not None and _launch_gluon(problem, "hfwd", _hopper_plan, (*tma, lse)):
             return out, lse
     config = problem.tiles.forward
     tma = None
@@ -196,38 +197,39 @@ def _forward_plan(problem: Problem, tma: bool) -> LaunchPlan:
     return plan
 
 
-def _launch_hopper(problem: Problem, tma, lse) -> bool:
-    """Launch the Gluon forward; False where it is still compiling in the background or its
-    first launch failed (then the Triton forward runs this call; maskc/runtime/hopper.py)."""
-    plan = problem.launches.get("hfwd")
+def _launch_gluon(problem: Problem, key: str, make_plan, values) -> bool:
+    """Launch a Gluon kernel (`key`: "hfwd" or "hbwd", its plan from `make_plan(problem)`) with
+    `values`; False where it is still compiling in the background or its first launch failed
+    (then the Triton-language kernel runs this call; maskc/runtime/hopper.py)."""
+    plan = problem.launches.get(key)
     if plan is not None:
-        plan(*tma, lse)
+        plan(*values)
         return True
-    pending = problem.launches.get("hfwd compiling")
+    pending = problem.launches.get((key, "compiling"))
     if pending is None and hopper.in_background():
         try:
-            plan = _hopper_plan(problem)
+            plan = make_plan(problem)
         except Exception as error:  # noqa: BLE001 (rendering or loading its file: hopper.failed names it)
             hopper.failed(error)
             return False
-        problem.launches["hfwd compiling"] = (plan, hopper.compile_later(problem.device,
-                                                                           lambda: plan.warmup(*tma, lse)))
+        problem.launches[(key, "compiling")] = (plan, hopper.compile_later(problem.device,
+                                                                             lambda: plan.warmup(*values)))
         return False
     if pending is not None:
         plan, compiling = pending
         if not compiling.done():
             return False
-        del problem.launches["hfwd compiling"]
+        del problem.launches[(key, "compiling")]
         if compiling.exception() is not None:
             hopper.failed(compiling.exception())
             return False
     try:
-        plan = plan or _hopper_plan(problem)
-        plan(*tma, lse)
+        plan = plan or make_plan(problem)
+        plan(*values)
     except Exception as error:  # noqa: BLE001 (any failure of the first launch: hopper.failed names it)
         hopper.failed(error)
         return False
-    problem.launches["hfwd"] = plan
+    problem.launches[key] = plan
     return True
 
 
@@ -304,12 +306,36 @@ def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem, *, partial: bool
     launches["dq", tma is not None](*(tma or (q, k, v, d_out, dq)), lse, delta, *q.stride(), *k.stride(),
                                     *v.stride(), *d_out.stride(), *dq.stride(),
                                     *(x for g in sums for x in (g, *g.stride())))
-    launches["dkdv"](q, k, v, d_out, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *d_out.stride(),
-                     *dk.stride(), *dv.stride())
+    if not _gluon_dkdv(problem, q, k, v, d_out, dk, dv, lse, delta):
+        launches["dkdv"](q, k, v, d_out, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(),
+                         *d_out.stride(), *dk.stride(), *dv.stride())
     grads = [(g.double() * 2.0 ** -32).to(t.dtype) for g, t in zip(sums, problem.grad_tensors)]
     if partial:
         return dq, dk, dv, *grads
     return dq.to(dtype), dk.to(dtype), dv.to(dtype), *grads
+
+
+def _gluon_dkdv(problem: Problem, q, k, v, d_out, dk, dv, lse, delta) -> bool:
+    """dK and dV from the Gluon kernel where it runs (hopper.runs_backward); False otherwise."""
+    if not hopper.runs_backward(problem):
+        return False
+    tma = hopper.backward_descriptors(q, k, v, d_out, problem.D)
+    return tma is not None and _launch_gluon(problem, "hbwd", _hopper_dkdv_plan,
+                                             (*tma, dk, dv, lse, delta, *dk.stride(), *dv.stride()))
+
+
+def _hopper_dkdv_plan(problem: Problem) -> LaunchPlan:
+    """The Gluon dK/dV kernel's launch (templates/attention_bwd_hopper.py.jinja)."""
+    config = hopper.BACKWARD[problem.D]
+    kernel = kernel_for("hbwd", problem.mask, problem.score, problem.dtype, problem.device)
+    fixed = dict(num_heads=problem.Hq, group_size=problem.Hq // problem.Hkv, q_len=problem.Lq, kv_len=problem.Lkv,
+                 qk_scale=problem.scale, **_map_args(problem, config, transposed=True), **problem.captured,
+                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN=problem.Lq % config.block_m == 0,
+                 STAGES=config.num_stages)
+    grid = (-(-problem.Lkv // config.block_n), problem.B * problem.Hkv)
+    return LaunchPlan(kernel, "attention_bwd_dkdv_hopper", False, grid, fixed,
+                      ("Q", "K", "V", "DO", "DK", "DV", "Lse", "Delta", *_strides("dk", "bhnd"), *_strides("dv", "bhnd")),
+                      dict(num_warps=config.num_warps, maxnreg=hopper.MAX_REGISTERS))
 
 
 def _backward_plans(problem: Problem) -> dict:

@@ -63,6 +63,11 @@ def forward_forced() -> bool:
     return "fwd" in _overrides
 
 
+def backward_forced() -> bool:
+    """Whether use_config forces the backward's tiles (which are the Triton-language kernels')."""
+    return "bwd" in _overrides
+
+
 def forward_config(head_dim: int, device_type: str) -> TileConfig:
     if "fwd" in _overrides:
         return _overrides["fwd"]

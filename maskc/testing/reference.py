@@ -78,9 +78,11 @@ def attention_reference(q, k, v, mask_mod=None, score_mod=None, scale=None, enab
     if mask_mod is not None:
         keep = dense_mask(mask_mod, Lq, Lkv, B, Hq, device=dev)
         scores = scores.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0))
-    probs = probs.masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0)
+    # Rows with nothing kept (masked, or every score -inf from the score_mod) take zeros before
+    # logsumexp: its gradient over a row of -inf is 0/0, which would make dq and dk NaN
+    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
+    probs = torch.exp(scores - lse.unsqueeze(-1).masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
     return torch.einsum("bhqk,bhkd->bhqd", probs, v), lse
 
 
