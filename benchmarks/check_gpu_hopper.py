@@ -183,7 +183,7 @@ def timing():
                   flush=True)
 
 
-def timing_backward():
+def timing_backward(dims=(128, 64), only=""):
     """Forward + backward: Gluon forward and dK/dV, Gluon forward with the Triton dK/dV, both
     Triton (MASKC_GLUON=0), and FlexAttention, timed in turn, two rounds, minimum."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -193,13 +193,15 @@ def timing_backward():
     torch._dynamo.config.recompile_limit = 64
     flex = torch.compile(flex_attention, dynamic=False)
     B, H, L = 4, 16, 8192
-    print(f"\nforward + backward, B={B} H={H} L={L} bf16, ms (median of do_bench)")
+    print(f"\nforward + backward, B={B} H={H} L={L} bf16, ms (median of do_bench); dK/dV tiles {hopper.BACKWARD}")
     print(f"{'workload':22s} {'D':>4s} {'gluon':>8s} {'g+tri':>8s} {'triton':>8s} {'flex':>8s} {'flex/g':>7s} "
           f"{'flex/g+t':>8s} {'flex/t':>7s}")
-    for D in (128, 64):
+    for D in dims:
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         d_out = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
         for name, mask, score in workloads(L, H, "cuda"):
+            if only and name not in only.split("|"):
+                continue
             def step(flag, triton_backward=False):
                 def run():
                     os.environ["MASKC_GLUON"] = flag
@@ -233,6 +235,10 @@ def main():
     parser.add_argument("--examples", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="the first two shapes, bfloat16 only")
     parser.add_argument("--shapes", default="", help="indices into SHAPES to check, e.g. 3,4 (default: all)")
+    parser.add_argument("--dims", default="128,64", help="head dims of the forward + backward table")
+    parser.add_argument("--only", default="", help="workloads of the forward + backward table, separated by |")
+    parser.add_argument("--dkdv-tiles", action="append", default=[], help="the dK/dV kernel's tiles for the table "
+                        "at a head dim: D=BLOCK_M,BLOCK_N,WARPS,STAGES (default hopper.BACKWARD's)")
     args = parser.parse_args()
     torch.manual_seed(0)
     failures = 0
@@ -254,7 +260,12 @@ def main():
         if "fwd" in args.timing.split(","):
             timing()
         if "bwd" in args.timing.split(","):
-            timing_backward()
+            for given in args.dkdv_tiles:
+                dim, numbers = given.split("=")
+                m, n, warps, stages = (int(x) for x in numbers.split(","))
+                hopper.BACKWARD[int(dim)] = hopper.BACKWARD[int(dim)]._replace(
+                    block_m=m, block_n=n, num_warps=warps, num_stages=stages)
+            timing_backward(tuple(int(d) for d in args.dims.split(",")), args.only)
     sys.exit(1 if failures else 0)
 
 

@@ -56,6 +56,19 @@ def test_floor_division_and_modulo(expr, text):
     assert show(expr) == text
 
 
+@pytest.mark.parametrize("op,text", [
+    (sympy.floor, "_floordiv(-p0 - q_idx, 2)"),
+    (sympy.ceiling, "_ceildiv(-p0 - q_idx, 2)"),
+    (Trunc, "_truncdiv(-p0 - q_idx, 2)"),
+], ids=["floor", "ceiling", "trunc"])
+def test_a_rational_times_a_sum_is_an_integer_quotient(op, text):
+    # an unevaluated -(p0 + q_idx) divided by 2 is the product -1/2 * (p0 + q_idx), undistributed;
+    # sympy.together distributed it again, over 1, and the printer fell back to tl.floor(-0.5 * ...)
+    quotient = sympy.Mul(-1, P0_INT + Q_IDX, evaluate=False) / 2
+    assert quotient.args == (sympy.Rational(-1, 2), P0_INT + Q_IDX)
+    assert show(op(quotient)) == text
+
+
 def test_what_sympy_folds_prints_its_folded_form():
     # sympy rewrites Mod(-q, 7) as Mod(6 q, 7): nonnegative, so the plain operator is right
     assert show(sympy.Mod(-Q_IDX, 7)) == "6 * q_idx % 7"

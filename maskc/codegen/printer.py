@@ -111,6 +111,15 @@ def _attribute_of(t: _Text) -> str:
     return t.text if t.prec == _Prec.ATOM and not t.text[0].isdigit() else f"({t.text})"
 
 
+def _quotient(e):
+    """(numerator, denominator) of `e` over one denominator: (q_idx - kv_idx, 3) for
+    q_idx/3 - kv_idx/3. Not sympy.together: it rebuilds a product with evaluation, which
+    distributes a rational coefficient over a sum again, so that -1/2 * (p0 + q_idx) (an
+    unevaluated -(p0 + q_idx) divided by 2) came back as -p0/2 - q_idx/2 over 1, and an integer
+    quotient printed as a float division."""
+    return e.as_numer_denom()
+
+
 @dataclass(frozen=True)
 class Printed:
     """Triton text of an expression: statements to run first, then its value."""
@@ -334,7 +343,7 @@ class TritonPrinter(CodePrinter):
         return _atom(f"tl.exp({self._float(exp).operand(_Prec.MUL)} * tl.log({self._float(base).text}))")
 
     def _print_floor(self, e):
-        num, den = sympy.fraction(sympy.together(e.args[0]))
+        num, den = _quotient(e.args[0])
         if den == 1:
             return _atom(f"tl.floor({self._print(e.args[0])})")
         if not (num.is_integer and den.is_integer):
@@ -344,7 +353,7 @@ class TritonPrinter(CodePrinter):
         return self._helper("_floordiv", self._print(num), self._print(den))
 
     def _print_ceiling(self, e):
-        num, den = sympy.fraction(sympy.together(e.args[0]))
+        num, den = _quotient(e.args[0])
         if den == 1:
             return _atom(f"tl.ceil({self._print(e.args[0])})")
         if not (num.is_integer and den.is_integer):
@@ -442,7 +451,7 @@ class TritonPrinter(CodePrinter):
     def _print_Trunc(self, e):
         if e.args[0].is_Number:
             return _literal(str(int(e.args[0])))
-        num, den = sympy.fraction(sympy.together(e.args[0]))
+        num, den = _quotient(e.args[0])
         if den != 1 and num.is_integer and den.is_integer:
             # an integer quotient toward zero, exactly: sympy writes (q - kv) / 3 as q/3 - kv/3,
             # whose float value can round below the integer it equals

@@ -191,5 +191,6 @@ def _descriptors(tensors, rows):
     return found
 
 
-__all__ = ["AUTO_BACKWARD_DIMS", "BACKWARD", "CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW", "backward_descriptors",
-           "compile_later", "descriptors", "failed", "in_background", "runs", "runs_backward", "settle"]
+__all__ = ["AUTO_BACKWARD_DIMS", "BACKWARD", "CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW",
+           "backward_descriptors", "compile_later", "descriptors", "failed", "in_background", "runs", "runs_backward",
+           "settle"]
