@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 import maskc
 from maskc.testing import attention_reference
 
-KINDS = ("alibi", "relative", "relative_per_head", "softcap_per_head", "row_and_column", "scalar")
+KINDS = ("alibi", "relative", "relative_per_head", "relative_clamped", "pair_table", "softcap_per_head",
+         "row_and_column", "scalar")
 
 
 def _learnable(kind: str, H: int, Lq: int, Lkv: int, gen):
@@ -24,6 +25,13 @@ def _learnable(kind: str, H: int, Lq: int, Lkv: int, gen):
     if kind == "relative_per_head":
         tensors = (torch.randn(H, Lq + Lkv - 1, generator=gen),)
         return tensors, lambda t: lambda score, b, h, q_idx, kv_idx: score + t[0][h, q_idx - kv_idx + Lkv - 1]
+    if kind == "relative_clamped":  # distances past ±5 share the table's ends (T5-style buckets)
+        tensors = (torch.randn(H, 11, generator=gen),)
+        return tensors, lambda t: lambda score, b, h, q_idx, kv_idx: score + t[0][
+            h, torch.clamp(q_idx - kv_idx, -5, 5) + 5]
+    if kind == "pair_table":  # an element per (q, kv) pair: not along diagonals
+        tensors = (torch.randn(Lq, Lkv, generator=gen),)
+        return tensors, lambda t: lambda score, b, h, q_idx, kv_idx: score + t[0][q_idx, kv_idx]
     if kind == "softcap_per_head":
         tensors = (1.0 + 4 * torch.rand(H, generator=gen),)
         return tensors, lambda t: lambda score, b, h, q_idx, kv_idx: t[0][h] * torch.tanh(score / t[0][h])
@@ -152,3 +160,16 @@ def test_what_has_no_gradient_is_refused_with_the_rule():
 
     with pytest.raises(maskc.MaskcError, match="not differentiable in its captured tensor element"):
         maskc.compiled_attention(q, k, v, score_mod=rounded).sum().backward()
+
+
+@pytest.mark.parametrize("kind, reads", [("relative", "diagonals"), ("relative_per_head", "diagonals"),
+                                         ("relative_clamped", "diagonals"), ("pair_table", "both"),
+                                         ("row_and_column", "rows")])
+def test_an_element_read_along_diagonals_is_summed_per_diagonal(kind, reads):
+    # one atomic add per diagonal of a tile, not per pair: what the dQ kernel prints for it
+    from maskc.codegen.render import _hooks
+    from maskc.codegen.source import KernelSource
+    tensors, mod = _learnable(kind, 2, 40, 30, torch.Generator().manual_seed(0))
+    traced = maskc.score_mod(mod(tensors)).traced
+    source = KernelSource.of("bwd", None, traced, exact=False, grad_slots=tuple(range(len(tensors))))
+    assert _hooks(source)["load_grads"][0]["reads"] == reads

@@ -136,8 +136,13 @@ def _hooks(spec: KernelSource) -> dict:
         offset, inside = printer.address(load, f"G{slot}")
         positions = load.free_symbols & {Q_IDX, KV_IDX}
         # the positions the element's index reads: the tile's contributions are summed over the others
-        # first, so that an element read by a whole row, column or tile takes one atomic add per tile
+        # first, so that an element read by a whole row, column or tile takes one atomic add per tile,
+        # and one read along diagonals (q_idx - kv_idx: a relative-position table) one per diagonal
         reads = "both" if len(positions) == 2 else "rows" if Q_IDX in positions else "columns" if positions else "none"
+        if reads == "both" and _on_diagonals(load):
+            reads = "diagonals"
+            # where each diagonal's sum goes: the element at a pair (diag_q, diag_kv) on it
+            offset, inside = printer.address(load.xreplace({Q_IDX: _DIAG_Q, KV_IDX: _DIAG_KV}), f"G{slot}")
         hooks["load_grads"].append(dict(slot=slot, statements=p.statements, value=p.value, offset=offset,
                                         inside=inside, reads=reads, text=describe(load, limit=30)))
     hooks["grad_args"] = [arg for slot in spec.grad_slots
@@ -157,6 +162,17 @@ _SMOOTH = (sympy.exp, sympy.log, sympy.tanh, sympy.sin, sympy.cos, sympy.erf)
 # floor), which is rarely what was meant. Indices of captured tensors are integers, so one
 # of these reaches any index that depends on score.
 _STEPS = (sympy.floor, sympy.ceiling, *INTEGER_OPS)
+
+
+_DIAG_Q = sympy.Symbol("diag_q", integer=True, nonnegative=True)
+_DIAG_KV = sympy.Symbol("diag_kv", integer=True, nonnegative=True)
+
+
+def _on_diagonals(load) -> bool:
+    """Whether captured element `load`'s index reads q_idx and kv_idx only through q_idx - kv_idx,
+    so that it is one element along each diagonal of a tile."""
+    shift = sympy.Symbol("shift", integer=True)
+    return not any(i.subs(Q_IDX, KV_IDX + shift).has(KV_IDX) for i in load.args[1:])
 
 
 def _float_loads(expr, slots) -> list:
