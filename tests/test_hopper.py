@@ -194,8 +194,8 @@ def test_a_failed_first_launch_warns_and_runs_the_triton_forward(monkeypatch):
     def broken(problem):
         raise RuntimeError("async_copy_global_to_shared has been removed; call async_load instead")
 
-    monkeypatch.setattr(hopper, "_failure", None)
-    monkeypatch.setattr(hopper, "runs", lambda problem: hopper._failure is None)
+    monkeypatch.setattr(hopper, "_failures", {})
+    monkeypatch.setattr(hopper, "runs", lambda problem: "hfwd" not in hopper._failures)
     monkeypatch.setattr(hopper, "descriptors", lambda q, k, v, out: [q, k, v, out])
     monkeypatch.setattr(launch, "_hopper_plan", broken)
     plan.PLANS.clear()
@@ -203,7 +203,7 @@ def test_a_failed_first_launch_warns_and_runs_the_triton_forward(monkeypatch):
     with pytest.warns(RuntimeWarning, match="Gluon forward for Hopper failed.*async_load.*MASKC_GLUON=0"):
         out = maskc.compiled_attention(q, k, v, mask_mod=masks.causal)
     assert_close_to_reference(out, attention_reference(q, k, v, masks.causal)[0])
-    assert "RuntimeError" in hopper._failure
+    assert "RuntimeError" in hopper._failures["hfwd"]
     plan.PLANS.clear()
 
 
@@ -229,8 +229,8 @@ class _FakeGluonPlan:
 
 def _gluon_everywhere(monkeypatch, fake):
     from maskc.runtime import launch
-    monkeypatch.setattr(hopper, "_failure", None)
-    monkeypatch.setattr(hopper, "runs", lambda problem: hopper._failure is None)
+    monkeypatch.setattr(hopper, "_failures", {})
+    monkeypatch.setattr(hopper, "runs", lambda problem: "hfwd" not in hopper._failures)
     monkeypatch.setattr(hopper, "descriptors", lambda q, k, v, out: [q, k, v, out])
     monkeypatch.setattr(launch, "_hopper_plan", lambda problem: fake)
     plan.PLANS.clear()
@@ -268,7 +268,7 @@ def test_a_failed_background_compile_warns_and_leaves_the_triton_forward(monkeyp
         maskc.compiled_attention(q, k, v, mask_mod=masks.causal)
         fake.ready.set()
         hopper.settle()
-        with pytest.warns(RuntimeWarning, match="Gluon forward for Hopper failed.*out of registers"):
+        with pytest.warns(RuntimeWarning, match="Gluon forward for Hopper failed to compile.*out of registers"):
             out = maskc.compiled_attention(q, k, v, mask_mod=masks.causal)
         assert_close_to_reference(out, attention_reference(q, k, v, masks.causal)[0])
         assert fake.launched == 0

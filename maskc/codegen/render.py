@@ -145,6 +145,7 @@ def _hooks(spec: KernelSource) -> dict:
             offset, inside = printer.address(load.xreplace({Q_IDX: _DIAG_Q, KV_IDX: _DIAG_KV}), f"G{slot}")
         hooks["load_grads"].append(dict(slot=slot, statements=p.statements, value=p.value, offset=offset,
                                         inside=inside, reads=reads, text=describe(load, limit=30)))
+    hooks["diagonal_grads"] = any(g["reads"] == "diagonals" for g in hooks["load_grads"])
     hooks["grad_args"] = [arg for slot in spec.grad_slots
                           for arg in (f"G{slot}", *(f"G{slot}_stride{d}" for d in range(spec.tensor_ranks[slot])))]
     hooks["helpers"] = sorted(printer.helpers)  # the file defines only these

@@ -31,7 +31,9 @@ before the first call instead; `settle()` waits for the compiles under way (benc
 """
 from __future__ import annotations
 
+import atexit
 import functools
+import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -61,12 +63,15 @@ AUTO_BACKWARD_DIMS = (64,)
 # The fewest kv tiles (of CONFIG's 128 keys) a q row keeps on average for the Gluon kernel to
 # be chosen: the sliding window that tied kept ~9, causal at 8192 keeps ~32.
 MIN_TILES_PER_ROW = 16
-# Why the Gluon forward failed in this process, if it did: it is not tried again.
-_failure: str | None = None
+# Why a Gluon kernel ("hfwd", "hbwd") failed in this process, by kind: that kind is not tried again.
+_failures: dict[str, str] = {}
 # One thread compiles the Gluon kernels (compile_later): Triton's compiler releases the GIL in its
-# passes and ptxas, so the caller's thread goes on launching meanwhile.
+# passes and ptxas, so the caller's thread goes on launching meanwhile. Compiles still queued at
+# exit are dropped rather than waited for.
 _compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maskc-gluon")
-_pending: list[Future] = []
+atexit.register(_compiler.shutdown, wait=False, cancel_futures=True)
+_pending: set[Future] = set()  # compiles not finished yet, for settle()
+_pending_lock = threading.Lock()
 
 
 @functools.cache
@@ -93,12 +98,12 @@ def _can_run(problem) -> bool:
     # the problem's own facts first: the interpreter's calls and other shapes read no setting
     return not (problem.interpret or problem.dtype not in (torch.float16, torch.bfloat16) or problem.D != problem.Dv
                 or problem.D not in HEAD_DIMS or problem.Lq < CONFIG.block_m // 2 or problem.Lkv < CONFIG.block_n
-                or _failure is not None or not _is_hopper(problem.device) or _gluon() is None)
+                or not _is_hopper(problem.device) or _gluon() is None)
 
 
 def runs(problem) -> bool:
     """Whether the Gluon forward runs `problem`."""
-    if tiles.forward_forced() or not _can_run(problem):
+    if tiles.forward_forced() or "hfwd" in _failures or not _can_run(problem):
         return False
     setting = gluon_setting()
     if setting == "never":
@@ -115,7 +120,7 @@ def runs_backward(problem) -> bool:
     """Whether the Gluon dK/dV kernel runs `problem`'s backward: where the Gluon forward can
     (the forward's shapes cover the dK/dV kernel's tiles) and no backward tiles are forced; by
     default only at D=64, where it measured faster on all seven workloads (AUTO_BACKWARD_DIMS)."""
-    if tiles.backward_forced() or not _can_run(problem):
+    if tiles.backward_forced() or "hbwd" in _failures or not _can_run(problem):
         return False
     setting = gluon_setting()
     return setting == "always" or (setting == "auto" and problem.D in AUTO_BACKWARD_DIMS)
@@ -130,8 +135,8 @@ def _faster(problem) -> bool:
 
 
 def in_background() -> bool:
-    """Whether a new Gluon kernel compiles beside the Triton forward (see the module's docstring)
-    rather than before the call that needs it."""
+    """Whether a new Gluon kernel compiles beside the Triton-language one that serves the calls
+    meanwhile (see the module's docstring), rather than before the call that needs it."""
     return gluon_setting() == "auto" and not torch.are_deterministic_algorithms_enabled()
 
 
@@ -143,26 +148,57 @@ def compile_later(device: torch.device, compile_kernel) -> Future:
             torch.cuda.set_device(device)
         compile_kernel()
     future = _compiler.submit(run)
-    _pending.append(future)
+    with _pending_lock:
+        _pending.add(future)
+    future.add_done_callback(_finished)
     return future
+
+
+def _finished(future: Future) -> None:
+    with _pending_lock:
+        _pending.discard(future)
 
 
 def settle() -> None:
     """Wait until every Gluon kernel under compilation is compiled (or has failed): the calls
-    after this one run whichever forward the rule picks, as a benchmark needs."""
-    while _pending:
-        _pending.pop().exception()  # waits; a failure is reported by the call that finds it
+    after this one run whichever kernel the rule picks, as a benchmark needs."""
+    with _pending_lock:
+        pending = list(_pending)
+    for future in pending:
+        future.exception()  # waits; a failure is reported by the call that finds it
 
 
-def failed(error: BaseException) -> None:
-    """The first launch of a Gluon forward failed (a Triton whose Gluon differs from the 3.6 and
-    3.9 the template was compiled with, a GPU with less shared memory): the Triton-language
-    forward runs from now on in this process, and a warning says so once."""
-    global _failure
-    _failure = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
-    warnings.warn(f"maskc's Gluon forward for Hopper failed on its first launch with Triton {triton.__version__} "
-                  f"({_failure}); maskc runs its Triton-language forward instead from now on. Set MASKC_GLUON=0 to "
-                  f"skip the attempt, and please report the error", RuntimeWarning, stacklevel=4)
+def stand_ins(values) -> list:
+    """What a compile of a launch with `values` specialises on, without their tensors (a
+    compile queued behind others would keep them alive): a tensor's dtype, which Triton's
+    warmup takes for a 16-byte-aligned pointer, and for a descriptor, one of the same dtype,
+    block and layout over a tensor of one block."""
+    TensorDescriptor = _gluon()[0]
+    found = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            value = value.dtype
+        elif isinstance(value, TensorDescriptor):
+            block = list(value.block_shape)
+            base = torch.empty(block, dtype=value.base.dtype, device=value.base.device)
+            value = TensorDescriptor(base, block, list(base.stride()), block, value.layout)
+        found.append(value)
+    return found
+
+
+_KINDS = {"hfwd": "forward", "hbwd": "dK/dV kernel"}
+
+
+def failed(key: str, error: BaseException, compiling: bool) -> None:
+    """The Gluon kernel `key` ("hfwd" or "hbwd") failed to compile or on its first launch (a Triton
+    whose Gluon differs from the 3.6 and 3.9 the templates were compiled with, a GPU with less
+    shared memory): the Triton-language kernel runs in its place from now on in this process,
+    and a warning says so once."""
+    _failures[key] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+    when = "to compile" if compiling else "on its first launch"
+    warnings.warn(f"maskc's Gluon {_KINDS[key]} for Hopper failed {when} with Triton {triton.__version__} "
+                  f"({_failures[key]}); maskc runs its Triton-language kernel instead from now on. Set MASKC_GLUON=0 "
+                  f"to skip the attempt, and please report the error", RuntimeWarning, stacklevel=4)
 
 
 def descriptors(q, k, v, out):
@@ -193,4 +229,4 @@ def _descriptors(tensors, rows):
 
 __all__ = ["AUTO_BACKWARD_DIMS", "BACKWARD", "CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW",
            "backward_descriptors", "compile_later", "descriptors", "failed", "in_background", "runs", "runs_backward",
-           "settle"]
+           "settle", "stand_ins"]

@@ -6,8 +6,8 @@ dQ runs over the block map, dK/dV over its transpose, summed over the query head
 group inside the kernel. On Hopper the forward and dK/dV may be Gluon kernels instead
 (maskc/runtime/hopper.py decides). Every kernel reads the one block map of the call at its own tiles
 (BlockMap.for_tiles). dQ and the forward load and store through tensor descriptors where the
-layout and size allow (maskc/runtime/descriptors.py); dK/dV keeps pointers, which measured
-faster there.
+layout and size allow (maskc/runtime/descriptors.py); the Triton dK/dV kernel keeps pointers,
+which measured faster there; the Gluon ones always take descriptors.
 """
 from __future__ import annotations
 
@@ -210,24 +210,28 @@ def _launch_gluon(problem: Problem, key: str, make_plan, values) -> bool:
         try:
             plan = make_plan(problem)
         except Exception as error:  # noqa: BLE001 (rendering or loading its file: hopper.failed names it)
-            hopper.failed(error)
+            hopper.failed(key, error, compiling=True)
             return False
+        stand_ins = hopper.stand_ins(values)
         problem.launches[(key, "compiling")] = (plan, hopper.compile_later(problem.device,
-                                                                             lambda: plan.warmup(*values)))
+                                                                             lambda: plan.warmup(*stand_ins)))
         return False
     if pending is not None:
         plan, compiling = pending
-        if not compiling.done():
+        # a CUDA graph being captured keeps the kernel it started with: the switch's first
+        # launch loads a module, which a capture does not allow
+        if not compiling.done() or (problem.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return False
-        del problem.launches[(key, "compiling")]
+        if problem.launches.pop((key, "compiling"), None) is None:
+            return False  # another thread took it
         if compiling.exception() is not None:
-            hopper.failed(compiling.exception())
+            hopper.failed(key, compiling.exception(), compiling=True)
             return False
     try:
         plan = plan or make_plan(problem)
         plan(*values)
     except Exception as error:  # noqa: BLE001 (any failure of the first launch: hopper.failed names it)
-        hopper.failed(error)
+        hopper.failed(key, error, compiling=False)
         return False
     problem.launches[key] = plan
     return True
@@ -351,7 +355,7 @@ def _backward_plans(problem: Problem) -> dict:
         dict(num_heads=problem.Hq, q_len=problem.Lq, HEAD_DIM_V=problem.Dv, DV_PAD=sizes["DV_PAD"],
              BLOCK_M=config.dq.block_m, ACC=sizes["ACC"]), _DELTA_CALL, {})}
     dq_fixed = dict(**shared, **_map_args(problem, config.dq), BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n,
-                    EVEN=problem.Lkv % config.dq.block_n == 0, DIAGONALS=2 * max(config.dq.block_m, config.dq.block_n))
+                    EVEN=problem.Lkv % config.dq.block_n == 0, DIAGONALS=padded(config.dq.block_m + config.dq.block_n - 1))
     grads = tuple(name for slot, t in zip(problem.grad_slots, problem.grad_tensors)
                   for name in (f"G{slot}", *(f"G{slot}_stride{d}" for d in range(t.dim()))))
     for tma in (False, True):
