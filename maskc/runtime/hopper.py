@@ -168,24 +168,6 @@ def settle() -> None:
         future.exception()  # waits; a failure is reported by the call that finds it
 
 
-def stand_ins(values) -> list:
-    """What a compile of a launch with `values` specialises on, without their tensors (a
-    compile queued behind others would keep them alive): a tensor's dtype, which Triton's
-    warmup takes for a 16-byte-aligned pointer, and for a descriptor, one of the same dtype,
-    block and layout over a tensor of one block."""
-    TensorDescriptor = _gluon()[0]
-    found = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            value = value.dtype
-        elif isinstance(value, TensorDescriptor):
-            block = list(value.block_shape)
-            base = torch.empty(block, dtype=value.base.dtype, device=value.base.device)
-            value = TensorDescriptor(base, block, list(base.stride()), block, value.layout)
-        found.append(value)
-    return found
-
-
 _KINDS = {"hfwd": "forward", "hbwd": "dK/dV kernel"}
 
 
@@ -229,4 +211,4 @@ def _descriptors(tensors, rows):
 
 __all__ = ["AUTO_BACKWARD_DIMS", "BACKWARD", "CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW",
            "backward_descriptors", "compile_later", "descriptors", "failed", "in_background", "runs", "runs_backward",
-           "settle", "stand_ins"]
+           "settle"]

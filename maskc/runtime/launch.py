@@ -212,9 +212,11 @@ def _launch_gluon(problem: Problem, key: str, make_plan, values) -> bool:
         except Exception as error:  # noqa: BLE001 (rendering or loading its file: hopper.failed names it)
             hopper.failed(key, error, compiling=True)
             return False
-        stand_ins = hopper.stand_ins(values)
+        # The compile specialises on this call's own values, as the GPU runs measured it; it holds
+        # their tensors until it is done (seconds). Triton's stand-ins (a dtype for a tensor) were
+        # not run on a GPU, and a descriptor's stand-in might specialise differently.
         problem.launches[(key, "compiling")] = (plan, hopper.compile_later(problem.device,
-                                                                             lambda: plan.warmup(*stand_ins)))
+                                                                             lambda: plan.warmup(*values)))
         return False
     if pending is not None:
         plan, compiling = pending
