@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 import maskc
 import maskc.runtime.launch as launch
 from maskc.runtime.tiles import forward_candidates, use_config
-from maskc.testing import assert_close_to_reference, attention_reference, decode_reference
+from maskc.testing import (assert_close_to_reference, assert_gradient_close_to_reference, attention_reference,
+                           decode_reference)
 from maskc.testing.strategies import lengths, masks, score_mods
 
 HALF = (torch.bfloat16, torch.float16)
@@ -53,19 +54,6 @@ class Tally:
     @property
     def failures(self) -> int:
         return sum(f for _, f in self.cases.values())
-
-
-def _close_gradient(got, want, dtype, what: str) -> None:
-    """assert_close_to_reference with a floor under the reference's norm (an RMS of 1e-3 per
-    element): a gradient that is 0 in exact arithmetic (a row keeping one key has ds = 0) is
-    rounding noise in half precision, whose relative error is unbounded."""
-    floor = 1e-3 * want.numel() ** 0.5
-    if want.double().norm() >= floor:
-        assert_close_to_reference(got, want, dtype, what=what)
-        return
-    err = (got.double() - want.double()).norm() / floor
-    tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3}.get(dtype, 1e-3)
-    assert err <= tol, f"{what} error {float(err):.3e} (against a floor of {floor:.1e}) exceeds {tol:.0e}"
 
 
 def _randn(shape, gen, dtype, device):
@@ -127,7 +115,7 @@ def backward(tally: Tally, case, device: str) -> None:
             with use_config(descriptors=descriptors):
                 out = maskc.compiled_attention(*leaves, **kwargs)
             for what, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, d_out), want):
-                _close_gradient(g, w, q.dtype, what)
+                assert_gradient_close_to_reference(g, w, q.dtype, what)
         tally.check("bwd", _label(q, k, v, mask, score, f" tma={descriptors}"), run)
 
 
@@ -251,7 +239,7 @@ def grads(tally: Tally, case, device: str) -> None:
                 err = float((g.double() - w).norm() / w.norm().clamp(min=1e-3 * w.numel() ** 0.5))
                 assert err <= 1e-2, f"{what} relative error {err:.3e} exceeds 1e-2 (float32 inputs)"
             else:
-                _close_gradient(g, w, dtype, what)
+                assert_gradient_close_to_reference(g, w, dtype, what)
 
     def checked():
         # The bias's gradient sums ds · d(score)/d(bias) over every pair, and Σ_j ds = 0 in each

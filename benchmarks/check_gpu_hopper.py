@@ -26,7 +26,8 @@ import maskc  # noqa: E402
 from maskc import masks, scores  # noqa: E402
 from maskc.runtime import hopper  # noqa: E402
 from maskc.runtime import plan as plans  # noqa: E402
-from maskc.testing import assert_close_to_reference, attention_reference  # noqa: E402
+from maskc.testing import (assert_close_to_reference, assert_gradient_close_to_reference,  # noqa: E402
+                           attention_reference)
 
 SHAPES = [  # B, Hq, Hkv, Lq, Lkv, D
     (2, 4, 4, 1000, 777, 64),
@@ -62,17 +63,6 @@ def ran_gluon(key: str = "hfwd") -> bool:
     return any(key in p.launches for p in plans.PLANS.values())
 
 
-def _close_gradient(got, want, dtype, what: str) -> None:
-    """assert_close_to_reference with a floor under the reference's norm (check_gpu_all.py's)."""
-    floor = 1e-3 * want.numel() ** 0.5
-    if want.double().norm() >= floor:
-        assert_close_to_reference(got, want, dtype, what=what)
-        return
-    err = (got.double() - want.double()).norm() / floor
-    tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
-    assert err <= tol, f"{what} error {float(err):.3e} (against a floor of {floor:.1e}) exceeds {tol:.0e}"
-
-
 def check(label, q, k, v, mask, score) -> int:
     kwargs = dict(mask_mod=mask, score_mod=score, enable_gqa=q.shape[1] != k.shape[1])
     plans.PLANS.clear()
@@ -90,7 +80,7 @@ def check(label, q, k, v, mask, score) -> int:
         grads = torch.autograd.grad(out, leaves, d_out)
         assert ran_gluon("hbwd"), "the Gluon dK/dV kernel did not run"
         for what, g, w in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(ref, exact, d_out.double())):
-            _close_gradient(g, w, q.dtype, what)
+            assert_gradient_close_to_reference(g, w, q.dtype, what)
         print(f"ok    {label}")
         return 0
     except Exception as e:  # noqa: BLE001 (a compile error is a failure to report, not a stop)

@@ -34,8 +34,9 @@ SETTINGS = (
             "0 stops maskc handing Triton its cache key from disk (Triton then hashes its install once per "
             "process, 0.3 s)"),
     Setting("MASKC_GLUON", "1",
-            "on Hopper GPUs, 1 runs the Gluon forward (templates/attention_fwd_hopper.py.jinja) where it measured "
-            "faster (maskc/runtime/hopper.py), always wherever it can run, 0 never"),
+            "on Hopper GPUs, 1 runs the Gluon forward (templates/attention_fwd_hopper.py.jinja) and dK/dV kernel "
+            "(attention_bwd_hopper.py.jinja) where they measured faster (maskc/runtime/hopper.py), always wherever "
+            "they can run, 0 never"),
     Setting("MASKC_DIRECT_LAUNCH", "1",
             "0 launches every call through Triton's JIT entry point instead of the compiled kernel it returned"),
 )

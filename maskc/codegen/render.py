@@ -133,16 +133,17 @@ def _hooks(spec: KernelSource) -> dict:
     hooks["load_grads"] = []
     for load, p in zip(loads, load_printed):
         slot = int(load.args[0])
-        offset, inside = printer.address(load, f"G{slot}")
         positions = load.free_symbols & {Q_IDX, KV_IDX}
         # the positions the element's index reads: the tile's contributions are summed over the others
         # first, so that an element read by a whole row, column or tile takes one atomic add per tile,
         # and one read along diagonals (q_idx - kv_idx: a relative-position table) one per diagonal
         reads = "both" if len(positions) == 2 else "rows" if Q_IDX in positions else "columns" if positions else "none"
+        target = load
         if reads == "both" and _on_diagonals(load):
             reads = "diagonals"
             # where each diagonal's sum goes: the element at a pair (diag_q, diag_kv) on it
-            offset, inside = printer.address(load.xreplace({Q_IDX: _DIAG_Q, KV_IDX: _DIAG_KV}), f"G{slot}")
+            target = load.xreplace({Q_IDX: _DIAG_Q, KV_IDX: _DIAG_KV})
+        offset, inside = printer.address(target, f"G{slot}")
         hooks["load_grads"].append(dict(slot=slot, statements=p.statements, value=p.value, offset=offset,
                                         inside=inside, reads=reads, text=describe(load, limit=30)))
     hooks["diagonal_grads"] = any(g["reads"] == "diagonals" for g in hooks["load_grads"])

@@ -62,10 +62,15 @@ class LaunchPlan:
         self._grid = grid
         self._direct = None if interpret else False  # None: never; False: not yet; else (runner, device, ints)
 
-    def __call__(self, *values):
+    def _bound(self, values) -> list:
+        """Every argument, the per-call `values` in their slots."""
         args = self._args.copy()
         for slot, value in zip(self._slots, values):
             args[slot] = value
+        return args
+
+    def __call__(self, *values):
+        args = self._bound(values)
         direct = self._direct
         if direct:
             runner, device, ints, dtypes = direct
@@ -81,10 +86,7 @@ class LaunchPlan:
     def warmup(self, *values):
         """Compile the kernel for these per-call values without launching it (Triton's warmup):
         the first call then finds it compiled."""
-        args = self._args.copy()
-        for slot, value in zip(self._slots, values):
-            args[slot] = value
-        self._jit.warmup(*args, grid=self._grid, **self._options)
+        self._jit.warmup(*self._bound(values), grid=self._grid, **self._options)
 
     def _first(self, args):
         """The first launch, in which Triton compiles the kernel for these constexprs (or finds
@@ -339,8 +341,8 @@ def _hopper_dkdv_plan(problem: Problem) -> LaunchPlan:
                  BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN=problem.Lq % config.block_m == 0,
                  STAGES=config.num_stages)
     grid = (-(-problem.Lkv // config.block_n), problem.B * problem.Hkv)
-    return LaunchPlan(kernel, "attention_bwd_dkdv_hopper", False, grid, fixed,
-                      ("Q", "K", "V", "DO", "DK", "DV", "Lse", "Delta", *_strides("dk", "bhnd"), *_strides("dv", "bhnd")),
+    per_call = ("Q", "K", "V", "DO", "DK", "DV", "Lse", "Delta", *_strides("dk", "bhnd"), *_strides("dv", "bhnd"))
+    return LaunchPlan(kernel, "attention_bwd_dkdv_hopper", False, grid, fixed, per_call,
                       dict(num_warps=config.num_warps, maxnreg=hopper.MAX_REGISTERS))
 
 
@@ -357,7 +359,8 @@ def _backward_plans(problem: Problem) -> dict:
         dict(num_heads=problem.Hq, q_len=problem.Lq, HEAD_DIM_V=problem.Dv, DV_PAD=sizes["DV_PAD"],
              BLOCK_M=config.dq.block_m, ACC=sizes["ACC"]), _DELTA_CALL, {})}
     dq_fixed = dict(**shared, **_map_args(problem, config.dq), BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n,
-                    EVEN=problem.Lkv % config.dq.block_n == 0, DIAGONALS=padded(config.dq.block_m + config.dq.block_n - 1))
+                    EVEN=problem.Lkv % config.dq.block_n == 0,
+                    DIAGONALS=padded(config.dq.block_m + config.dq.block_n - 1))
     grads = tuple(name for slot, t in zip(problem.grad_slots, problem.grad_tensors)
                   for name in (f"G{slot}", *(f"G{slot}_stride{d}" for d in range(t.dim()))))
     for tma in (False, True):

@@ -93,7 +93,8 @@ class Problem:
     captured: dict  # kernel argument name -> captured tensor, its strides and sizes, or parameter value
     grad_slots: tuple[int, ...]  # captured tensors whose gradients the backward computes
     grad_tensors: tuple  # those tensors
-    # LaunchPlans by kernel and variant, built on first use; and "gluon faster", runtime/hopper.py's choice
+    # LaunchPlans by kernel and variant, built on first use; "gluon faster", runtime/hopper.py's choice;
+    # and (kind, "compiling"): a Gluon plan and its background compile (runtime/launch.py's _launch_gluon)
     launches: dict = field(default_factory=dict)
 
     @property

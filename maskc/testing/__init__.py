@@ -7,7 +7,8 @@ The strategies need hypothesis (the `test` extra) and are imported on first use:
 
 >>> from maskc.testing import mask_cases
 """
-from maskc.testing.asserts import assert_block_map_exact, assert_block_map_sound, assert_close_to_reference
+from maskc.testing.asserts import (assert_block_map_exact, assert_block_map_sound, assert_close_to_reference,
+                                  assert_gradient_close_to_reference)
 from maskc.testing.reference import attention_reference, decode_reference, dense_mask, dense_tiles
 
 _STRATEGIES = ("AttentionInputs", "MaskCase", "attention_inputs", "block_sizes", "doc_ids", "lengths", "mask_cases",
@@ -23,5 +24,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'maskc.testing' has no attribute {name!r}")
 
 
-__all__ = ["assert_block_map_exact", "assert_block_map_sound", "assert_close_to_reference", "attention_reference", "decode_reference",
-           "dense_mask", "dense_tiles", *_STRATEGIES]
+__all__ = ["assert_block_map_exact", "assert_block_map_sound", "assert_close_to_reference",
+           "assert_gradient_close_to_reference", "attention_reference", "decode_reference", "dense_mask", "dense_tiles",
+           *_STRATEGIES]
