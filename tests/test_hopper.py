@@ -32,9 +32,9 @@ pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 SMEM_LIMIT = 232448  # bytes a Hopper block may have (227 KiB)
 
 
-def _compile(mask, score, D: int, kind: str = "hfwd"):
-    """Render the Hopper forward (kind "hfwd") or dK/dV kernel ("hbwd") for `mask` and `score`
-    and compile it for sm_90 at head dim D."""
+def _compile(mask, score, D: int, kind: str = "hfwd", with_dq: bool = True):
+    """Render the Hopper forward (kind "hfwd") or dK/dV kernel ("hbwd", computing dQ too where
+    `with_dq`) for `mask` and `score` and compile it for sm_90 at head dim D."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -54,13 +54,13 @@ def _compile(mask, score, D: int, kind: str = "hfwd"):
     fn = getattr(module, name)
     config = hopper.CONFIG if kind == "hfwd" else hopper.BACKWARD[D]
 
-    def desc(rows):
-        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], gl.bfloat16)
-        return f"tensordesc<bf16[1, 1, {rows}, {D}],{layout!r}>"
+    def desc(rows, dtype=gl.bfloat16, name="bf16"):
+        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], dtype)
+        return f"tensordesc<{name}[1, 1, {rows}, {D}],{layout!r}>"
 
     constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN_KV=False, EVEN=False,
                       POSITIVE_SCALE=True, STAGES=config.num_stages, BH_GROUP=2, SPARSE_Q_MULTIPLE=1,
-                      SPARSE_KV_MULTIPLE=2)
+                      SPARSE_KV_MULTIPLE=2, WITH_DQ=with_dq)
     # the copy boxes' rows: the forward's q and out are a consumer's half of the q tile; the
     # dK/dV kernel's k and v a consumer's half of the kv tile
     rows = dict(Q=config.block_m // 2, Out=config.block_m // 2, K=config.block_n, V=config.block_n) if kind == "hfwd" \
@@ -70,6 +70,9 @@ def _compile(mask, score, D: int, kind: str = "hfwd"):
     for i, p in enumerate(rendered.parameters[name]):
         if p in rows:
             signature[p] = desc(rows[p])
+        elif p == "DQ":  # dQ's float32 sum, which the copy engine adds each tile's share into
+            signature[p] = desc(config.block_m, gl.float32, "fp32") if with_dq else "constexpr"
+            constants.update({} if with_dq else {(i,): None})
         elif p in ("DK", "DV"):
             signature[p] = "*bf16"
         elif p in ("Lse", "Delta"):
@@ -131,11 +134,14 @@ def test_drawn_mods_compile_for_sm90(data):
 
 
 # the dK/dV kernel: the mask, the score mod and its derivative in the transposed tile, at the
-# head dim it runs at by default (64) and the one MASKC_GLUON=always adds
-@pytest.mark.parametrize("name, mask, score, D", [(*c, 64) for c in CASES[1:5]] + [(*CASES[5], 128)],
-                         ids=[f"{c[0]}-64" for c in CASES[1:5]] + [f"{CASES[5][0]}-128"])
-def test_the_hopper_dkdv_kernel_compiles_for_sm90(name, mask, score, D):
-    _check(_compile(mask, score, D, kind="hbwd"))
+# head dim it runs at by default (64) and the one MASKC_GLUON=always adds (its q tiles of 32
+# rows compute dQ transposed); with dQ (the default) and without (deterministic algorithms,
+# gradients for captured tensors)
+@pytest.mark.parametrize("name, mask, score, D, with_dq",
+                         [(*c, 64, True) for c in CASES[1:5]] + [(*CASES[5], 128, True), (*CASES[1], 64, False)],
+                         ids=[f"{c[0]}-64" for c in CASES[1:5]] + [f"{CASES[5][0]}-128", "causal-64-without dQ"])
+def test_the_hopper_dkdv_kernel_compiles_for_sm90(name, mask, score, D, with_dq):
+    _check(_compile(mask, score, D, kind="hbwd", with_dq=with_dq))
 
 
 def _problem(mask, score, L, D=64):

@@ -84,7 +84,8 @@ def _gluon():
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     except ImportError:
         return None
-    return TensorDescriptor, gl.NVMMASharedLayout, {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+    return TensorDescriptor, gl.NVMMASharedLayout, {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16,
+                                                    torch.float32: gl.float32}
 
 
 @functools.cache
@@ -124,6 +125,15 @@ def runs_backward(problem) -> bool:
         return False
     setting = gluon_setting()
     return setting == "always" or (setting == "auto" and problem.D in AUTO_BACKWARD_DIMS)
+
+
+def computes_dq(problem) -> bool:
+    """Whether the Gluon dK/dV kernel computes dQ too, adding each tile's share into a float32
+    accumulator with the copy engine's reduction (FlashAttention 3's backward: five matrix
+    products a tile instead of the seven of separate dQ and dK/dV kernels). The additions'
+    order varies from run to run, so torch.use_deterministic_algorithms(True) keeps the dQ
+    kernel; so do captured tensors that need gradients, which the dQ kernel sums."""
+    return not problem.grad_tensors and not torch.are_deterministic_algorithms_enabled() and "hbwd+dq" not in _failures
 
 
 def _faster(problem) -> bool:
@@ -168,7 +178,7 @@ def settle() -> None:
         future.exception()  # waits; a failure is reported by the call that finds it
 
 
-_KINDS = {"hfwd": "forward", "hbwd": "dK/dV kernel"}
+_KINDS = {"hfwd": "forward", "hbwd": "dK/dV kernel", "hbwd+dq": "dQ/dK/dV kernel"}
 
 
 def failed(key: str, error: BaseException, compiling: bool) -> None:
@@ -190,11 +200,13 @@ def descriptors(q, k, v, out):
     return _descriptors((q, k, v, out), rows)
 
 
-def backward_descriptors(q, k, v, d_out, head_dim: int):
-    """Gluon tensor descriptors of q, k, v and dO for the dK/dV kernel, or None."""
+def backward_descriptors(q, k, v, d_out, dq, head_dim: int):
+    """Gluon tensor descriptors of q, k, v, dO and (where not None) dQ's float32 accumulator for
+    the dK/dV kernel, or None."""
     config = BACKWARD[head_dim]
-    rows = (config.block_m, config.block_n // 2, config.block_n // 2, config.block_m)
-    return _descriptors((q, k, v, d_out), rows)
+    rows = (config.block_m, config.block_n // 2, config.block_n // 2, config.block_m, config.block_m)
+    found = _descriptors((q, k, v, d_out) + ((dq,) if dq is not None else ()), rows)
+    return found + [None] if found is not None and dq is None else found
 
 
 def _descriptors(tensors, rows):
@@ -210,5 +222,5 @@ def _descriptors(tensors, rows):
 
 
 __all__ = ["AUTO_BACKWARD_DIMS", "BACKWARD", "CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW",
-           "backward_descriptors", "compile_later", "descriptors", "failed", "in_background", "runs", "runs_backward",
+           "backward_descriptors", "compile_later", "computes_dq", "descriptors", "failed", "in_background", "runs", "runs_backward",
            "settle"]

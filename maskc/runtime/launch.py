@@ -11,6 +11,7 @@ which measured faster there; the Gluon ones always take descriptors.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -299,49 +300,61 @@ def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem, *, partial: bool
         delta -= d_lse
     grad_dtype = accumulator(dtype) if partial else q.dtype
     dq, dk, dv = (torch.empty_like(t, dtype=grad_dtype) for t in (q, k, v))
-    tma = None
-    # where the forward's launch found descriptors worth their host cost (DESCRIPTOR_MIN_PAIRS).
-    # dK/dV measured 5-12% slower with descriptors on an H100 (dQ 5-18% faster), so only dQ
-    # takes them (benchmarks/NOTES.md). A float32 dQ keeps pointers: its descriptor's store
-    # box would double the shared memory the kernel stages it in.
-    if _descriptor_sized(problem) and descriptors_enabled() and dq.dtype == q.dtype:
-        m, n = problem.tiles.backward.dq.block_m, problem.tiles.backward.dq.block_n
-        d_pad, dv_pad = padded(problem.D), padded(problem.Dv)
-        tma = descriptors([(q, (1, 1, m, d_pad)), (k, (1, 1, n, d_pad)), (v, (1, 1, n, dv_pad)),
-                           (d_out, (1, 1, m, dv_pad)), (dq, (1, 1, m, d_pad))])
-    # captured tensors' gradients, summed by the dQ kernel as integers in units of 2**-32
-    sums = [torch.zeros(t.shape, dtype=torch.int64, device=q.device) for t in problem.grad_tensors]
-    launches["dq", tma is not None](*(tma or (q, k, v, d_out, dq)), lse, delta, *q.stride(), *k.stride(),
-                                    *v.stride(), *d_out.stride(), *dq.stride(),
-                                    *(x for g in sums for x in (g, *g.stride())))
-    if not _gluon_dkdv(problem, q, k, v, d_out, dk, dv, lse, delta):
+    gluon, dq_sum = _gluon_backward(problem, q, k, v, d_out, dk, dv, lse, delta)
+    if not gluon:
         launches["dkdv"](q, k, v, d_out, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(),
                          *d_out.stride(), *dk.stride(), *dv.stride())
+    # captured tensors' gradients, summed by the dQ kernel as integers in units of 2**-32
+    sums = [torch.zeros(t.shape, dtype=torch.int64, device=q.device) for t in problem.grad_tensors]
+    if dq_sum is not None:  # the Gluon kernel's, unscaled
+        dq = dq_sum.mul_(problem.scale).to(grad_dtype)
+    else:
+        tma = None
+        # where the forward's launch found descriptors worth their host cost (DESCRIPTOR_MIN_PAIRS).
+        # dK/dV measured 5-12% slower with descriptors on an H100 (dQ 5-18% faster), so only dQ
+        # takes them (benchmarks/NOTES.md). A float32 dQ keeps pointers: its descriptor's store
+        # box would double the shared memory the kernel stages it in.
+        if _descriptor_sized(problem) and descriptors_enabled() and dq.dtype == q.dtype:
+            m, n = problem.tiles.backward.dq.block_m, problem.tiles.backward.dq.block_n
+            d_pad, dv_pad = padded(problem.D), padded(problem.Dv)
+            tma = descriptors([(q, (1, 1, m, d_pad)), (k, (1, 1, n, d_pad)), (v, (1, 1, n, dv_pad)),
+                               (d_out, (1, 1, m, dv_pad)), (dq, (1, 1, m, d_pad))])
+        launches["dq", tma is not None](*(tma or (q, k, v, d_out, dq)), lse, delta, *q.stride(), *k.stride(),
+                                        *v.stride(), *d_out.stride(), *dq.stride(),
+                                        *(x for g in sums for x in (g, *g.stride())))
     grads = [(g.double() * 2.0 ** -32).to(t.dtype) for g, t in zip(sums, problem.grad_tensors)]
     if partial:
         return dq, dk, dv, *grads
     return dq.to(dtype), dk.to(dtype), dv.to(dtype), *grads
 
 
-def _gluon_dkdv(problem: Problem, q, k, v, d_out, dk, dv, lse, delta) -> bool:
-    """dK and dV from the Gluon kernel where it runs (hopper.runs_backward); False otherwise."""
+def _gluon_backward(problem: Problem, q, k, v, d_out, dk, dv, lse, delta):
+    """dK and dV from the Gluon kernel where it runs (hopper.runs_backward), and dQ where it
+    computes that too (hopper.computes_dq): (whether it ran, dQ's unscaled float32 sum or None)."""
     if not hopper.runs_backward(problem):
-        return False
-    tma = hopper.backward_descriptors(q, k, v, d_out, problem.D)
-    return tma is not None and _launch_gluon(problem, "hbwd", _hopper_dkdv_plan,
-                                             (*tma, dk, dv, lse, delta, *dk.stride(), *dv.stride()))
+        return False, None
+    with_dq = hopper.computes_dq(problem)
+    # the kernel adds each tile's share into dq_sum: rows no tile reaches stay 0
+    dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if with_dq else None
+    tma = hopper.backward_descriptors(q, k, v, d_out, dq_sum, problem.D)
+    key = "hbwd+dq" if with_dq else "hbwd"
+    if tma is None or not _launch_gluon(problem, key, functools.partial(_hopper_dkdv_plan, with_dq=with_dq),
+                                        (*tma, dk, dv, lse, delta, *dk.stride(), *dv.stride())):
+        return False, None
+    return True, dq_sum
 
 
-def _hopper_dkdv_plan(problem: Problem) -> LaunchPlan:
-    """The Gluon dK/dV kernel's launch (templates/attention_bwd_hopper.py.jinja)."""
+def _hopper_dkdv_plan(problem: Problem, with_dq: bool) -> LaunchPlan:
+    """The Gluon dK/dV kernel's launch (templates/attention_bwd_hopper.py.jinja), computing dQ
+    too where `with_dq`."""
     config = hopper.BACKWARD[problem.D]
     kernel = kernel_for("hbwd", problem.mask, problem.score, problem.dtype, problem.device)
     fixed = dict(num_heads=problem.Hq, group_size=problem.Hq // problem.Hkv, q_len=problem.Lq, kv_len=problem.Lkv,
                  qk_scale=problem.scale, **_map_args(problem, config, transposed=True), **problem.captured,
                  BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN=problem.Lq % config.block_m == 0,
-                 STAGES=config.num_stages)
+                 STAGES=config.num_stages, WITH_DQ=with_dq)
     grid = (-(-problem.Lkv // config.block_n), problem.B * problem.Hkv)
-    per_call = ("Q", "K", "V", "DO", "DK", "DV", "Lse", "Delta", *_strides("dk", "bhnd"), *_strides("dv", "bhnd"))
+    per_call = ("Q", "K", "V", "DO", "DQ", "DK", "DV", "Lse", "Delta", *_strides("dk", "bhnd"), *_strides("dv", "bhnd"))
     return LaunchPlan(kernel, "attention_bwd_dkdv_hopper", False, grid, fixed, per_call,
                       dict(num_warps=config.num_warps, maxnreg=hopper.MAX_REGISTERS))
 
