@@ -54,9 +54,9 @@ def _compile(mask, score, D: int, kind: str = "hfwd", with_dq: bool = True):
     fn = getattr(module, name)
     config = hopper.CONFIG if kind == "hfwd" else hopper.BACKWARD[D]
 
-    def desc(rows, dtype=gl.bfloat16, name="bf16"):
-        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], dtype)
-        return f"tensordesc<{name}[1, 1, {rows}, {D}],{layout!r}>"
+    def desc(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], gl.bfloat16)
+        return f"tensordesc<bf16[1, 1, {rows}, {D}],{layout!r}>"
 
     constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN_KV=False, EVEN=False,
                       POSITIVE_SCALE=True, STAGES=config.num_stages, BH_GROUP=2, SPARSE_Q_MULTIPLE=1,
@@ -70,8 +70,9 @@ def _compile(mask, score, D: int, kind: str = "hfwd", with_dq: bool = True):
     for i, p in enumerate(rendered.parameters[name]):
         if p in rows:
             signature[p] = desc(rows[p])
-        elif p == "DQ":  # dQ's float32 sum, which the copy engine adds each tile's share into
-            signature[p] = desc(config.block_m, gl.float32, "fp32") if with_dq else "constexpr"
+        elif p == "DQ":  # dQ's float32 sum, which the copy engine adds each tile's dQ into
+            layout = gl.NVMMASharedLayout.get_default_for([1, 1, config.block_m, D], gl.float32)
+            signature[p] = f"tensordesc<fp32[1, 1, {config.block_m}, {D}],{layout!r}>" if with_dq else "constexpr"
             constants.update({} if with_dq else {(i,): None})
         elif p in ("DK", "DV"):
             signature[p] = "*bf16"
@@ -134,11 +135,11 @@ def test_drawn_mods_compile_for_sm90(data):
 
 
 # the dK/dV kernel: the mask, the score mod and its derivative in the transposed tile, at the
-# head dim it runs at by default (64) and the one MASKC_GLUON=always adds (its q tiles of 32
-# rows compute dQ transposed); with dQ (the default) and without (deterministic algorithms,
+# head dim it runs at by default (64, computing dQ too) and the one MASKC_GLUON=always adds
+# (128, without dQ: hopper.computes_dq); without dQ at 64 too (deterministic algorithms,
 # gradients for captured tensors)
 @pytest.mark.parametrize("name, mask, score, D, with_dq",
-                         [(*c, 64, True) for c in CASES[1:5]] + [(*CASES[5], 128, True), (*CASES[1], 64, False)],
+                         [(*c, 64, True) for c in CASES[1:5]] + [(*CASES[5], 128, False), (*CASES[1], 64, False)],
                          ids=[f"{c[0]}-64" for c in CASES[1:5]] + [f"{CASES[5][0]}-128", "causal-64-without dQ"])
 def test_the_hopper_dkdv_kernel_compiles_for_sm90(name, mask, score, D, with_dq):
     _check(_compile(mask, score, D, kind="hbwd", with_dq=with_dq))
@@ -177,6 +178,31 @@ def test_the_dkdv_kernel_is_chosen_at_the_head_dims_it_measured_faster(monkeypat
     forcing = BackwardConfig(TileConfig(32, 32, 4, 1), TileConfig(32, 32, 4, 1)) if forced else None
     with use_config(backward=forcing):
         assert hopper.runs_backward(problem) is runs
+
+
+def test_the_dkdv_kernel_computes_dq_where_it_may(monkeypatch):
+    # atomic additions, so not under deterministic algorithms; not where the dQ kernel sums a
+    # captured tensor's gradient; not at D=128, where its q tiles are under wgmma's 64 rows
+    assert hopper.computes_dq(_problem(masks.causal, None, 256, 64))
+    assert not hopper.computes_dq(_problem(masks.causal, None, 256, 128))
+    q = torch.empty(1, 2, 256, 64)
+    mask, score = as_mask_mod(masks.causal), as_score_mod(scores.relative_bias(torch.zeros(2, 511), offset=255))
+    learnable = plan.problem_of(q, q, q, mask, score, 0.125, plan.traces_of(mask, score), grad_slots=(0,))
+    assert learnable.grad_tensors and not hopper.computes_dq(learnable)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not hopper.computes_dq(_problem(masks.causal, None, 256, 64))
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_the_dkdv_kernels_dq_sum_has_a_descriptor():
+    q = torch.zeros(1, 2, 100, 64, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, 300, 64, dtype=torch.bfloat16)
+    found = hopper.backward_descriptors(q, k, k, q, torch.zeros(q.shape), 64)
+    assert [d.block_shape for d in found] == [[1, 1, 64, 64], [1, 1, 64, 64], [1, 1, 64, 64], [1, 1, 64, 64],
+                                              [1, 1, 64, 64]]
+    assert hopper.backward_descriptors(q, k, k, q, None, 64)[4] is None
 
 
 def test_descriptors_follow_the_copy_engines_rules():

@@ -1,7 +1,7 @@
 """The Gluon kernels for Hopper GPUs: the forward (templates/attention_fwd_hopper.py.jinja) and
-dK/dV (attention_bwd_hopper.py.jinja; the backward's dQ and Delta stay Triton-language
-kernels): when they run, their tiles and their descriptors (their launch plans are
-maskc/runtime/launch.py's).
+dK/dV (attention_bwd_hopper.py.jinja), which computes dQ too where `computes_dq` says so (else
+the Triton-language dQ kernel runs; the Delta kernel always does): when they run, their tiles
+and their descriptors (their launch plans are maskc/runtime/launch.py's).
 
 They can run where all of these hold, else the Triton-language kernels do (the interpreter
 on CPU tensors, other GPUs, other head dims, float32 and float64, a Triton without Gluon):
@@ -18,7 +18,9 @@ prefix-LM and ALiBi (1.12-1.26× at D=128, 1.01-1.09× at D=64) and on a 1024 sl
 D=128 (1.08×, which the rule leaves: it lost 0.82× at D=64); it lost on 12 causal documents
 (0.55-0.70×: about 6 tiles a row, and each run pays its pipeline's start) and on softcap
 (0.46-0.56×: tanh's arithmetic, on 8 math warps a multiprocessor against the Triton kernel's
-12). The dK/dV kernel runs by default at D=64 only (AUTO_BACKWARD_DIMS), whichever forward ran.
+12). The dK/dV kernel runs by default at D=64 only (AUTO_BACKWARD_DIMS), whichever forward ran,
+and there it computes dQ as well: forward + backward went 1.22-1.95× FlexAttention on the seven
+workloads (H200, bench_attention.py --backward --dim 64), from 1.03-1.65× with the dQ kernel.
 MASKC_GLUON=always runs both wherever they can (the GPU check does).
 
 A new Gluon kernel compiles in a background thread while the Triton kernel serves the calls
@@ -63,7 +65,8 @@ AUTO_BACKWARD_DIMS = (64,)
 # The fewest kv tiles (of CONFIG's 128 keys) a q row keeps on average for the Gluon kernel to
 # be chosen: the sliding window that tied kept ~9, causal at 8192 keeps ~32.
 MIN_TILES_PER_ROW = 16
-# Why a Gluon kernel ("hfwd", "hbwd") failed in this process, by kind: that kind is not tried again.
+# Why a Gluon kernel ("hfwd", "hbwd", "hbwd+dq") failed in this process, by kind: that kind is not
+# tried again.
 _failures: dict[str, str] = {}
 # One thread compiles the Gluon kernels (compile_later): Triton's compiler releases the GIL in its
 # passes and ptxas, so the caller's thread goes on launching meanwhile. Compiles still queued at
@@ -132,8 +135,12 @@ def computes_dq(problem) -> bool:
     accumulator with the copy engine's reduction (FlashAttention 3's backward: five matrix
     products a tile instead of the seven of separate dQ and dK/dV kernels). The additions'
     order varies from run to run, so torch.use_deterministic_algorithms(True) keeps the dQ
-    kernel; so do captured tensors that need gradients, which the dQ kernel sums."""
-    return not problem.grad_tensors and not torch.are_deterministic_algorithms_enabled() and "hbwd+dq" not in _failures
+    kernel; so do captured tensors that need gradients, which the dQ kernel sums. Only where
+    the kernel's q tiles are at least wgmma's 64 rows (D=64): at D=128 they are 32, and the
+    transposed product dQᵀ = Kᵀ·dSᵀ, 32 columns wide, measured between 3.6% faster and 5% slower
+    than the dQ kernel, by variant (H100, forward + backward; benchmarks/NOTES.md)."""
+    return (BACKWARD[problem.D].block_m >= 64 and not problem.grad_tensors
+            and not torch.are_deterministic_algorithms_enabled() and "hbwd+dq" not in _failures)
 
 
 def _faster(problem) -> bool:
@@ -178,11 +185,11 @@ def settle() -> None:
         future.exception()  # waits; a failure is reported by the call that finds it
 
 
-_KINDS = {"hfwd": "forward", "hbwd": "dK/dV kernel", "hbwd+dq": "dQ/dK/dV kernel"}
+_KINDS = {"hfwd": "forward", "hbwd": "dK/dV kernel", "hbwd+dq": "dK/dV kernel with dQ"}
 
 
 def failed(key: str, error: BaseException, compiling: bool) -> None:
-    """The Gluon kernel `key` ("hfwd" or "hbwd") failed to compile or on its first launch (a Triton
+    """The Gluon kernel `key` ("hfwd", "hbwd" or "hbwd+dq") failed to compile or on its first launch (a Triton
     whose Gluon differs from the 3.6 and 3.9 the templates were compiled with, a GPU with less
     shared memory): the Triton-language kernel runs in its place from now on in this process,
     and a warning says so once."""
@@ -197,25 +204,28 @@ def descriptors(q, k, v, out):
     """Gluon tensor descriptors of q, k, v and out over [B, H, L, D] for the forward, or None
     where one cannot have one (the copy engine's alignment rules)."""
     rows = (CONFIG.block_m // 2, CONFIG.block_n, CONFIG.block_n, CONFIG.block_m // 2)
-    return _descriptors((q, k, v, out), rows)
+    return _descriptors((q, k, v, out), [[1, 1, n, t.shape[3]] for n, t in zip(rows, (q, k, v, out))])
 
 
 def backward_descriptors(q, k, v, d_out, dq, head_dim: int):
-    """Gluon tensor descriptors of q, k, v, dO and (where not None) dQ's float32 accumulator for
-    the dK/dV kernel, or None."""
+    """Gluon tensor descriptors of q, k, v, dO and (where not None) dQ's float32 sum for the
+    dK/dV kernel, or None."""
     config = BACKWARD[head_dim]
-    rows = (config.block_m, config.block_n // 2, config.block_n // 2, config.block_m, config.block_m)
-    found = _descriptors((q, k, v, d_out) + ((dq,) if dq is not None else ()), rows)
-    return found + [None] if found is not None and dq is None else found
+    blocks = [[1, 1, n, head_dim] for n in (config.block_m, config.block_n // 2, config.block_n // 2, config.block_m)]
+    found = _descriptors((q, k, v, d_out), blocks)
+    if found is None:
+        return None
+    if dq is None:
+        return found + [None]
+    return found + _descriptors((dq,), [[1, 1, config.block_m, head_dim]])
 
 
-def _descriptors(tensors, rows):
+def _descriptors(tensors, blocks):
     TensorDescriptor, Layout, dtypes = _gluon()
     found = []
-    for t, n in zip(tensors, rows):
+    for t, block in zip(tensors, blocks):
         if not fits(t):
             return None
-        block = [1, 1, n, t.shape[3]]
         found.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block,
                                       Layout.get_default_for(block, dtypes[t.dtype])))
     return found

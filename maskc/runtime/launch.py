@@ -201,7 +201,7 @@ def _forward_plan(problem: Problem, tma: bool) -> LaunchPlan:
 
 
 def _launch_gluon(problem: Problem, key: str, make_plan, values) -> bool:
-    """Launch a Gluon kernel (`key`: "hfwd" or "hbwd", its plan from `make_plan(problem)`) with
+    """Launch a Gluon kernel (`key`: "hfwd", "hbwd" or "hbwd+dq", its plan from `make_plan(problem)`) with
     `values`; False where it is still compiling in the background or its first launch failed
     (then the Triton-language kernel runs this call; maskc/runtime/hopper.py)."""
     plan = problem.launches.get(key)
@@ -306,8 +306,8 @@ def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem, *, partial: bool
                          *d_out.stride(), *dk.stride(), *dv.stride())
     # captured tensors' gradients, summed by the dQ kernel as integers in units of 2**-32
     sums = [torch.zeros(t.shape, dtype=torch.int64, device=q.device) for t in problem.grad_tensors]
-    if dq_sum is not None:  # the Gluon kernel's, unscaled
-        dq = dq_sum.mul_(problem.scale).to(grad_dtype)
+    if dq_sum is not None:  # the Gluon kernel's
+        dq = dq_sum.to(grad_dtype)
     else:
         tma = None
         # where the forward's launch found descriptors worth their host cost (DESCRIPTOR_MIN_PAIRS).
@@ -330,11 +330,11 @@ def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem, *, partial: bool
 
 def _gluon_backward(problem: Problem, q, k, v, d_out, dk, dv, lse, delta):
     """dK and dV from the Gluon kernel where it runs (hopper.runs_backward), and dQ where it
-    computes that too (hopper.computes_dq): (whether it ran, dQ's unscaled float32 sum or None)."""
+    computes that too (hopper.computes_dq): (whether it ran, dQ in float32 or None)."""
     if not hopper.runs_backward(problem):
         return False, None
     with_dq = hopper.computes_dq(problem)
-    # the kernel adds each tile's share into dq_sum: rows no tile reaches stay 0
+    # the kernel adds each tile's dQ into the sum: rows no tile reaches stay 0
     dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if with_dq else None
     tma = hopper.backward_descriptors(q, k, v, d_out, dq_sum, problem.D)
     key = "hbwd+dq" if with_dq else "hbwd"
