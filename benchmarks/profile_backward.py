@@ -2,7 +2,9 @@
 
     bash benchmarks/run_gpu.sh benchmarks/profile_backward.py --dim 128 --only "no mask|causal"
 
-B=4 H=16 L=8192 bf16 by default. Each implementation's fwd+bwd runs 10 times under
+B=4 H=16 L=8192 bf16 by default. `--only "relative table"` profiles a learnable relative-position
+table instead (causal, the table's gradient too; FlexAttention with bench_bias_grads.py's
+smaller tiles, which it needs for this at D=128). Each implementation's fwd+bwd runs 10 times under
 torch.profiler after warm-up (and, for maskc, after its Gluon kernels have compiled); the
 table gives each CUDA kernel's mean milliseconds per step and its share of the step. The
 matrix products each kernel runs are counted from its name to give TFLOP/s over the kept
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import maskc  # noqa: E402
 from maskc.runtime import hopper  # noqa: E402
 from maskc.testing import dense_mask  # noqa: E402
+from bench_bias_grads import SMALL_FLEX_TILES  # noqa: E402
 from workloads import workloads  # noqa: E402
 
 flex = torch.compile(flex_attention, dynamic=False)
@@ -59,6 +62,34 @@ def short(name: str) -> str:
     return name[:48]
 
 
+def cases(names, q, k, v, d_out):
+    """(name, {implementation: one step}, kept pairs a head) for the workloads named."""
+    L, H = q.shape[2], q.shape[1]
+    for name, mask, score in workloads(L, H, "cuda"):
+        if name not in names:
+            continue
+        pairs = int(dense_mask(mask, L, L, device="cuda")[0, 0].sum()) if mask is not None else L * L
+        flex_bm = create_block_mask(mask.fn, None, None, L, L, device="cuda") if mask is not None else None
+        yield name, {
+            "maskc": lambda: maskc.compiled_attention(q, k, v, mask_mod=mask, score_mod=score).backward(d_out),
+            "flex": lambda: flex(q, k, v, score_mod=score.fn if score else None,
+                                 block_mask=flex_bm).backward(d_out),
+        }, pairs
+    if "relative table" in names:
+        table = (torch.randn(H, 2 * L - 1, device="cuda") * 0.1).requires_grad_()
+
+        def relative(score, b, h, q_idx, kv_idx):
+            return score + table[h, q_idx - kv_idx + L - 1]
+        ours = maskc.score_mod(relative)
+        causal = create_block_mask(maskc.masks.causal.fn, None, None, L, L, device="cuda")
+        yield "relative table (learnable), causal", {
+            "maskc": lambda: maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal,
+                                                      score_mod=ours).backward(d_out),
+            "flex": lambda: flex(q, k, v, score_mod=relative, block_mask=causal,
+                                 kernel_options=SMALL_FLEX_TILES).backward(d_out),
+        }, L * (L + 1) // 2
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=4)
@@ -72,16 +103,7 @@ def main():
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     d_out = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
     print(f"# {torch.cuda.get_device_name()}, B={B} H={H} L={L} D={D} bf16, fwd+bwd, {STEPS} steps profiled")
-    for name, mask, score in workloads(L, H, "cuda"):
-        if name not in args.only.split("|"):
-            continue
-        pairs = int(dense_mask(mask, L, L, device="cuda")[0, 0].sum()) if mask is not None else L * L
-        flex_bm = create_block_mask(mask.fn, None, None, L, L, device="cuda") if mask is not None else None
-        steps = {
-            "maskc": lambda: maskc.compiled_attention(q, k, v, mask_mod=mask, score_mod=score).backward(d_out),
-            "flex": lambda: flex(q, k, v, score_mod=score.fn if score else None,
-                                 block_mask=flex_bm).backward(d_out),
-        }
+    for name, steps, pairs in cases(args.only.split("|"), q, k, v, d_out):
         print(f"\n## {name}")
         print("| impl | kernel | ms/step | share | TFLOP/s |")
         print("|---|---|---|---|---|")

@@ -173,3 +173,23 @@ def test_an_element_read_along_diagonals_is_summed_per_diagonal(kind, reads):
     traced = maskc.score_mod(mod(tensors)).traced
     source = KernelSource.of("bwd", None, traced, exact=False, grad_slots=tuple(range(len(tensors))))
     assert _hooks(source)["load_grads"][0]["reads"] == reads
+
+
+@pytest.mark.parametrize("block_m, block_n", [(16, 64), (64, 16), (32, 32)])
+def test_diagonal_sums_hold_for_any_tile_shape(block_m, block_n):
+    # the dQ kernel sums a tile's diagonals a band of BLOCK_M at a time: three bands where
+    # BLOCK_N > BLOCK_M + 1, two otherwise; ragged lengths leave partial tiles at both ends
+    from maskc.runtime.tiles import BackwardConfig, TileConfig, use_config
+    gen = torch.Generator().manual_seed(3)
+    Lq, Lkv = 75, 90
+    tensors, mod = _learnable("relative_per_head", 2, Lq, Lkv, gen)
+    tensors = tuple(t.requires_grad_() for t in tensors)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen, requires_grad=True) for n in (Lq, Lkv, Lkv))
+    d_out = torch.randn(1, 2, Lq, 16, generator=gen)
+    tiles = BackwardConfig(TileConfig(block_m, block_n, 4, 1), TileConfig(32, 32, 4, 1))
+    with use_config(backward=tiles):
+        got = _grads(q, k, v, tensors, mod, maskc.masks.sliding_window(40), d_out)
+    exact = tuple(t.detach().double().requires_grad_() for t in (q, k, v, *tensors))
+    ref, _ = attention_reference(*exact[:3], maskc.masks.sliding_window(40), mod(exact[3:]))
+    want = torch.autograd.grad(ref, exact[3:], d_out.double())
+    torch.testing.assert_close(got[3].double(), want[0], atol=1e-4, rtol=1e-4)

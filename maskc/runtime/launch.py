@@ -372,8 +372,7 @@ def _backward_plans(problem: Problem) -> dict:
         dict(num_heads=problem.Hq, q_len=problem.Lq, HEAD_DIM_V=problem.Dv, DV_PAD=sizes["DV_PAD"],
              BLOCK_M=config.dq.block_m, ACC=sizes["ACC"]), _DELTA_CALL, {})}
     dq_fixed = dict(**shared, **_map_args(problem, config.dq), BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n,
-                    EVEN=problem.Lkv % config.dq.block_n == 0,
-                    DIAGONALS=padded(config.dq.block_m + config.dq.block_n - 1))
+                    EVEN=problem.Lkv % config.dq.block_n == 0)
     grads = tuple(name for slot, t in zip(problem.grad_slots, problem.grad_tensors)
                   for name in (f"G{slot}", *(f"G{slot}_stride{d}" for d in range(t.dim()))))
     for tma in (False, True):
