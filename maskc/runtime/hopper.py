@@ -194,10 +194,10 @@ _KINDS = {"hfwd": "forward", "hbwd": "dK/dV kernel", "hbwd+dq": "dK/dV kernel wi
 
 
 def failed(key: str, error: BaseException, compiling: bool) -> None:
-    """The Gluon kernel `key` ("hfwd", "hbwd" or "hbwd+dq") failed to compile or on its first launch (a Triton
-    whose Gluon differs from the 3.6 and 3.9 the templates were compiled with, a GPU with less
-    shared memory): the Triton-language kernel runs in its place from now on in this process,
-    and a warning says so once."""
+    """The Gluon kernel `key` ("hfwd", "hbwd" or "hbwd+dq") failed to compile or on its first
+    launch (a Triton whose Gluon differs from the 3.6 and 3.9 the templates were compiled with,
+    a GPU with less shared memory): the Triton-language kernel runs in its place from now on
+    in this process, and a warning says so once."""
     _failures[key] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
     when = "to compile" if compiling else "on its first launch"
     warnings.warn(f"maskc's Gluon {_KINDS[key]} for Hopper failed {when} with Triton {triton.__version__} "
@@ -237,5 +237,5 @@ def _descriptors(tensors, blocks):
 
 
 __all__ = ["AUTO_BACKWARD_DIMS", "BACKWARD", "CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW",
-           "backward_descriptors", "compile_later", "computes_dq", "descriptors", "failed", "in_background", "runs", "runs_backward",
-           "settle"]
+           "backward_descriptors", "compile_later", "computes_dq", "descriptors", "failed", "in_background", "runs",
+           "runs_backward", "settle"]
