@@ -96,7 +96,7 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--only", default="no mask|causal|document")
+    ap.add_argument("--only", default="no mask|causal|document (12), causal")
     args = ap.parse_args()
     B, H, L, D = args.batch, args.heads, args.length, args.dim
     torch.manual_seed(0)

@@ -177,8 +177,8 @@ def test_an_element_read_along_diagonals_is_summed_per_diagonal(kind, reads):
 
 @pytest.mark.parametrize("block_m, block_n", [(16, 64), (64, 16), (32, 32)])
 def test_diagonal_sums_hold_for_any_tile_shape(block_m, block_n):
-    # the dQ kernel sums a tile's diagonals a band of BLOCK_M at a time: three bands where
-    # BLOCK_N > BLOCK_M + 1, two otherwise; ragged lengths leave partial tiles at both ends
+    # the dQ kernel sums a tile's diagonals a band of BLOCK_N at a time, (BLOCK_M + BLOCK_N - 2)
+    # // BLOCK_N + 1 bands: 2, 5 and 2 here; ragged lengths leave partial tiles at both ends
     from maskc.runtime.tiles import BackwardConfig, TileConfig, use_config
     gen = torch.Generator().manual_seed(3)
     Lq, Lkv = 75, 90

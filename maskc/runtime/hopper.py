@@ -222,7 +222,8 @@ def backward_descriptors(q, k, v, d_out, dq, head_dim: int):
         return None
     if dq is None:
         return found + [None]
-    return found + _descriptors((dq,), [[1, 1, config.block_m, head_dim]])
+    sums = _descriptors((dq,), [[1, 1, config.block_m, head_dim]])
+    return found + sums if sums is not None else None
 
 
 def _descriptors(tensors, blocks):

@@ -299,16 +299,17 @@ def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem, *, partial: bool
         # exp(S - lse)) enters as Delta - dlse. Rows with lse = -inf have P = 0 and get none.
         delta -= d_lse
     grad_dtype = accumulator(dtype) if partial else q.dtype
-    dq, dk, dv = (torch.empty_like(t, dtype=grad_dtype) for t in (q, k, v))
+    dk, dv = (torch.empty_like(t, dtype=grad_dtype) for t in (k, v))
     gluon, dq_sum = _gluon_backward(problem, q, k, v, d_out, dk, dv, lse, delta)
     if not gluon:
         launches["dkdv"](q, k, v, d_out, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(),
                          *d_out.stride(), *dk.stride(), *dv.stride())
     # captured tensors' gradients, summed by the dQ kernel as integers in units of 2**-32
     sums = [torch.zeros(t.shape, dtype=torch.int64, device=q.device) for t in problem.grad_tensors]
-    if dq_sum is not None:  # the Gluon kernel's
+    if dq_sum is not None:  # the Gluon kernel summed dQ already: no dQ kernel
         dq = dq_sum.to(grad_dtype)
     else:
+        dq = torch.empty_like(q, dtype=grad_dtype)
         tma = None
         # where the forward's launch found descriptors worth their host cost (DESCRIPTOR_MIN_PAIRS).
         # dK/dV measured 5-12% slower with descriptors on an H100 (dQ 5-18% faster), so only dQ
