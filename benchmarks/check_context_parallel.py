@@ -4,6 +4,7 @@ max |x - reference| ÷ max |reference|, bf16 inputs.
 
     bash benchmarks/run_gpu.sh benchmarks/check_context_parallel.py          # on nvidia-h200-x2
     bash benchmarks/run_gpu.sh benchmarks/check_context_parallel.py --length 131072 --heads 32 --kv-heads 8
+    MASKC_GLUON=always bash benchmarks/run_gpu.sh benchmarks/check_context_parallel.py --dim 64   # Gluon kernels
 
 Past 8192 tokens the dense reference is left out and CP is compared with 1-GPU maskc only.
 """
@@ -17,16 +18,15 @@ import torch.multiprocessing as mp
 
 import maskc
 import maskc.distributed as md
+from maskc.runtime import plan as plans
 from maskc.testing import dense_mask
-
-D = 128
 
 
 def reference(q, k, v, keep, d_out, d_lse):
     """out, lse and the gradients in float32 by the definition."""
     q, k, v = (t.float().detach().requires_grad_() for t in (q, k, v))
     kk, vv = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    s = (q @ kk.transpose(-1, -2)) / D ** 0.5
+    s = (q @ kk.transpose(-1, -2)) / q.shape[-1] ** 0.5
     s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1).masked_fill(torch.isinf(lse).unsqueeze(-1), 0)).masked_fill(~keep, 0)
@@ -39,7 +39,7 @@ def run(rank, world_size, port, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world_size)
-    L, Hq, Hkv = args.length, args.heads, args.kv_heads
+    L, Hq, Hkv, D = args.length, args.heads, args.kv_heads, args.dim
     cuts = torch.tensor([0.17, 0.37, 0.44, 0.68, 1.0]) * L
     lengths = torch.diff(torch.cat([torch.zeros(1), cuts.round()])).long()
     docs = torch.repeat_interleave(torch.arange(5), lengths).cuda()
@@ -86,6 +86,8 @@ def run(rank, world_size, port, args):
         del q, k, v, qs, ks, vs, q1, k1, v1, out, lse, o1, l1, parallel, single
         torch.cuda.empty_cache()
     if rank == 0:
+        gluon = sorted({k for p in plans.PLANS.values() for k in p.launches if k in ("hfwd", "hbwd", "hbwd+dq")})
+        print(f"Gluon kernels that ran (maskc/runtime/hopper.py): {', '.join(gluon) or 'none'}")
         print(f"{failures} failures (against the reference: CP error above 3x the 1-GPU error and 2e-2; "
               f"without: CP differing from 1 GPU by more than 2e-2 of its largest value)")
     dist.destroy_process_group()
@@ -99,4 +101,5 @@ if __name__ == "__main__":
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=128)
     mp.spawn(run, args=(2, port, parser.parse_args()), nprocs=2)

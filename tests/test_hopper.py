@@ -185,8 +185,8 @@ def test_the_dkdv_kernel_computes_dq_where_it_may(monkeypatch):
     # captured tensor's gradient; not at D=128, where its q tiles are under wgmma's 64 rows
     assert hopper.computes_dq(_problem(masks.causal, None, 256, 64))
     assert not hopper.computes_dq(_problem(masks.causal, None, 256, 128))
-    # past kv_len the kernel's P is not masked: kv lengths off its 128-row tiles keep the dQ kernel
-    assert not hopper.computes_dq(_problem(masks.causal, None, 300, 64))
+    # kv lengths off its 128-row tiles too: the kernel zeroes dSᵀ past kv_len
+    assert hopper.computes_dq(_problem(masks.causal, None, 300, 64))
     q = torch.empty(1, 2, 256, 64)
     mask, score = as_mask_mod(masks.causal), as_score_mod(scores.relative_bias(torch.zeros(2, 511), offset=255))
     learnable = plan.problem_of(q, q, q, mask, score, 0.125, plan.traces_of(mask, score), grad_slots=(0,))

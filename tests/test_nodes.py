@@ -113,6 +113,20 @@ def test_dense_evaluation_follows_torch(expr, want):
     torch.testing.assert_close(got.double().expand(want.shape), want.double())
 
 
+@pytest.mark.parametrize("expr", [
+    sympy.Max(0, Q_IDX - 2) <= KV_IDX,  # natten's clamp: a constant broadcast beside the indices
+    sympy.Min(7, Q_IDX) > KV_IDX,
+    sympy.Piecewise((Q_IDX, KV_IDX > 1), (3, True)),
+    LoadFloat(0, sympy.Max(1, KV_IDX)),  # a captured tensor read at an index built from a constant
+], ids=str)
+def test_dense_evaluation_stays_on_the_indices_device(expr):
+    # "meta" stands in for CUDA: a constant made on the CPU broke Max, Min and loads on the GPU
+    # (torch.broadcast_tensors and indexing do not move a CPU scalar as arithmetic does)
+    zero = torch.zeros((), dtype=torch.int64, device="meta")
+    env = symbols_env(zero, zero, Q.to("meta"), KV.to("meta"))
+    assert evaluate(expr, env, [torch.randn(8)], {}).device.type == "meta"
+
+
 # -- interval analysis: sound on every tile, by brute force ------------------------------------
 def _verdicts(expr, q_len, kv_len, block, values=None, tensors=()):
     """(analysed, certain, dense) verdicts of boolean expr on each [block × block] tile."""

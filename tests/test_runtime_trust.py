@@ -346,3 +346,33 @@ def test_backward_uses_the_trace_of_its_forward(monkeypatch):
     ref_grads = torch.autograd.grad(ref, leaves, d_out.double())
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert_close_to_reference(got, want, torch.float32, name)
+
+
+def test_a_kernel_whose_shared_memory_does_not_fit_runs_with_fewer_stages():
+    # Triton stages a mod's captured-tensor reads in shared memory as well as q, k and v: the
+    # Graphormer edge bias's dQ kernel at D=128 asked for 288 KiB of an H100's 227 (a GPU
+    # check). The first launch retries with fewer stages; with one, it is an error with a fix.
+    from triton.runtime.errors import OutOfResources
+
+    from maskc.runtime.launch import LaunchPlan
+    tried = []
+
+    def fn(*args, num_warps, num_stages):
+        tried.append(num_stages)
+        if num_stages > fits:
+            raise OutOfResources(294912, 232448, "shared memory")
+        return "compiled"
+    plan = object.__new__(LaunchPlan)  # a plan around the fake launch above
+    plan.fn, plan._what = fn, "attention_bwd_dq of k.py"
+    fits, plan._options = 1, dict(num_warps=8, num_stages=3)
+    assert plan._fitting([]) == "compiled" and tried == [3, 2, 1]
+    assert plan._options["num_stages"] == 1  # later calls launch the variant that fit
+    fits, plan._options = 0, dict(num_warps=8, num_stages=2)
+    with pytest.raises(maskc.MaskcError, match="shared memory with one pipeline stage.*narrower dtype"):
+        plan._fitting([])
+
+    def registers(*args, **options):
+        raise OutOfResources(300, 255, "registers")
+    plan.fn = registers  # not shared memory: fewer stages would not help, and it is raised as it is
+    with pytest.raises(OutOfResources):
+        plan._fitting([])

@@ -47,6 +47,9 @@ class _Evaluator:
         self.env, self.tensors, self.params = env, tensors, params
         self.left = uses  # node -> uses still to come, for the nodes used more than once
         self.kept = {}
+        # constants live beside the indices: broadcast_tensors and indexing do not move a CPU
+        # scalar to the GPU as arithmetic does (Max(0, q_idx - 2) on CUDA indices failed)
+        self.device = next((v.device for v in env.values()), torch.device("cpu"))
 
     def run(self, e):
         value = self.kept.get(e)
@@ -63,23 +66,26 @@ class _Evaluator:
 
     def _value(self, e):
         if e is sympy.true:
-            return torch.tensor(True)
+            return self._constant(True)
         if e is sympy.false:
-            return torch.tensor(False)
+            return self._constant(False)
         if isinstance(e, sympy.Integer):
-            return torch.tensor(int(e))
+            return self._constant(int(e))
         if isinstance(e, (sympy.Rational, sympy.Float)) or e.is_Number:
-            return torch.tensor(float(e), dtype=torch.float64)
+            return self._constant(float(e), torch.float64)
         if isinstance(e, sympy.Symbol):
             if e in self.env:
                 return self.env[e]
-            return torch.tensor(self.params[e])
+            return self._constant(self.params[e])
         if e is sympy.pi or e is sympy.E:
-            return torch.tensor(float(e), dtype=torch.float64)
+            return self._constant(float(e), torch.float64)
         method = getattr(self, "_" + type(e).__name__, None)
         if method is None:
             raise NotImplementedError(f"dense evaluation of {type(e).__name__} ({e}) is not implemented")
         return method(e)
+
+    def _constant(self, value, dtype=None):
+        return torch.tensor(value, dtype=dtype, device=self.device)
 
     def _args(self, e):
         return [self.run(a) for a in e.args]
@@ -244,22 +250,18 @@ class _Evaluator:
         tensor = self.tensors[int(e.args[0])]
         index = [self.run(i) for i in e.args[1:]]
         index = torch.broadcast_tensors(*index) if index else []
-        inside = torch.tensor(True)
+        inside = self._constant(True)
         clamped = []
         for dim, i in enumerate(index):
             inside = inside & (i >= 0) & (i < tensor.shape[dim])
             clamped.append(i.clamp(0, tensor.shape[dim] - 1).to(torch.long))
-        value = tensor.to(self._device())[tuple(clamped)] if clamped else tensor.to(self._device()).reshape(())
+        value = tensor.to(self.device)[tuple(clamped)] if clamped else tensor.to(self.device).reshape(())
         # widened as the kernel's loads are (_widen): arithmetic on the value never wraps or rounds
         value = value.to(torch.float64 if value.dtype.is_floating_point else torch.int64)
-        return torch.where(inside.to(value.device), value, torch.zeros((), dtype=value.dtype, device=value.device))
+        return torch.where(inside, value, torch.zeros((), dtype=value.dtype, device=value.device))
 
     _LoadInt = _LoadFloat = _LoadBool = _load
 
-    def _device(self):
-        for v in self.env.values():
-            return v.device
-        return torch.device("cpu")
 
 
 def symbols_env(b, h, q_idx, kv_idx, score=None) -> dict:

@@ -19,7 +19,7 @@ D=128 (1.08×, which the rule leaves: it lost 0.82× at D=64); it lost on 12 cau
 (0.55-0.70×: about 6 tiles a row, and each run pays its pipeline's start) and on softcap
 (0.46-0.56×: tanh's arithmetic, on 8 math warps a multiprocessor against the Triton kernel's
 12). The dK/dV kernel runs by default at D=64 only (AUTO_BACKWARD_DIMS), whichever forward ran,
-and there it computes dQ as well (where kv_len fills its tiles): forward + backward went
+and there it computes dQ as well: forward + backward went
 1.22-1.95× FlexAttention on the seven workloads (H200, bench_attention.py --backward --dim 64),
 from 1.03-1.65× with the dQ kernel.
 MASKC_GLUON=always runs both wherever they can (the GPU check does).
@@ -139,13 +139,12 @@ def computes_dq(problem) -> bool:
     kernel; so do captured tensors that need gradients, which the dQ kernel sums. Only where
     the kernel's q tiles are at least wgmma's 64 rows (D=64): at D=128 they are 32, and the
     transposed product dQᵀ = Kᵀ·dSᵀ, 32 columns wide, measured between 3.6% faster and 5% slower
-    than the dQ kernel, by variant (H100, forward + backward; benchmarks/NOTES.md). And only where
-    kv_len is a multiple of the kernel's 128 kv rows: past kv_len its P is not masked (those
-    rows' dK and dV are never stored), and dQ's product multiplies it by K's zero rows, which
-    turned an overflowing P into NaN (float16, ALiBi, kv_len 300: the GPU check)."""
+    than the dQ kernel, by variant (H100, forward + backward; benchmarks/NOTES.md). Key lengths
+    off its 128-row tiles are fine: past kv_len the kernel sets dSᵀ to zero before dQ's product
+    (an unmasked P there, overflowing in float16, times K's zero rows was NaN: the GPU check)."""
     config = BACKWARD[problem.D]
-    return (config.block_m >= 64 and problem.Lkv % config.block_n == 0 and not problem.grad_tensors
-            and not torch.are_deterministic_algorithms_enabled() and "hbwd+dq" not in _failures)
+    return (config.block_m >= 64 and not problem.grad_tensors and not torch.are_deterministic_algorithms_enabled()
+            and "hbwd+dq" not in _failures)
 
 
 def _faster(problem) -> bool:

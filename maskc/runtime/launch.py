@@ -16,8 +16,10 @@ import logging
 import time
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from maskc._log import slow
+from maskc.errors import MaskcError
 from maskc.runtime import hopper
 from maskc.runtime.descriptors import DESCRIPTOR_MIN_PAIRS, descriptors
 from maskc.runtime.dtypes import accumulator, dot_precision, interpreter_safe, triton_accumulator
@@ -96,10 +98,34 @@ class LaunchPlan:
         how = "interpreting" if self._direct is None else "compiling"
         start = time.perf_counter()
         with slow(f"{how} {self._what} (the first call of a kernel and shape; later calls reuse it)"):
-            compiled = self.fn(*args, **self._options)
+            compiled = self._fitting(args)
         self._launched = True
         _log.info("first launch of %s (%s) took %.2f s", self._what, how, time.perf_counter() - start)
         return compiled
+
+    def _fitting(self, args):
+        """Launch with fewer pipeline stages while the kernel's shared memory does not fit the
+        GPU. The tiles are chosen for q, k and v, but a mod's reads of captured tensors in the
+        loop are staged too: attention-gym's Graphormer edge bias (two int64 tables read per
+        pair) had its dQ kernel at D=128 ask for 288 KiB of an H100's 227
+        (benchmarks/check_gpu_gym_hopper.py)."""
+        while True:
+            try:
+                return self.fn(*args, **self._options)
+            except OutOfResources as error:
+                stages = self._options.get("num_stages", 3)  # Triton's default where none is given
+                if error.name != "shared memory":
+                    raise
+                if stages <= 1:
+                    raise MaskcError(
+                        f"{self._what} needs {error.required} bytes of shared memory with one pipeline stage, "
+                        f"more than this GPU's {error.limit}: the mod's reads of captured tensors are staged "
+                        f"there for every score; store those tensors in a narrower dtype (int32 or int16 "
+                        f"indices, float16 values) or force smaller tiles with "
+                        f"maskc.runtime.tiles.use_config") from error
+                _log.info("%s needs %d bytes of shared memory with %d stages (%d here): trying %d", self._what,
+                          error.required, stages, error.limit, stages - 1)
+                self._options = {**self._options, "num_stages": stages - 1}
 
 
 def _direct_runner(compiled, grid, values):
@@ -353,7 +379,7 @@ def _hopper_dkdv_plan(problem: Problem, with_dq: bool) -> LaunchPlan:
     fixed = dict(num_heads=problem.Hq, group_size=problem.Hq // problem.Hkv, q_len=problem.Lq, kv_len=problem.Lkv,
                  qk_scale=problem.scale, **_map_args(problem, config, transposed=True), **problem.captured,
                  BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN=problem.Lq % config.block_m == 0,
-                 STAGES=config.num_stages, WITH_DQ=with_dq)
+                 EVEN_KV=problem.Lkv % config.block_n == 0, STAGES=config.num_stages, WITH_DQ=with_dq)
     grid = (-(-problem.Lkv // config.block_n), problem.B * problem.Hkv)
     per_call = ("Q", "K", "V", "DO", "DQ", "DK", "DV", "Lse", "Delta", *_strides("dk", "bhnd"), *_strides("dv", "bhnd"))
     return LaunchPlan(kernel, "attention_bwd_dkdv_hopper", False, grid, fixed, per_call,
