@@ -243,7 +243,8 @@ def test_a_failed_first_launch_warns_and_runs_the_triton_forward(monkeypatch):
 
 class _FakeGluonPlan:
     """Stands in for the Gluon forward's launch plan on the CPU: its compile waits for `ready`
-    (or raises `error`); a launch is recorded and writes the Triton kernel's own result."""
+    (or raises `error`); a launch is recorded and raises `error` or writes the Triton kernel's
+    own result."""
 
     def __init__(self, error=None):
         self.ready, self.error, self.launched, self.warmed = threading.Event(), error, 0, 0
@@ -256,6 +257,8 @@ class _FakeGluonPlan:
 
     def __call__(self, q, k, v, out, lse):
         self.launched += 1
+        if self.error:
+            raise self.error
         want, want_lse = attention_reference(q, k, v, masks.causal)
         out.copy_(want)
         lse.copy_(want_lse)
@@ -308,6 +311,32 @@ def test_a_failed_background_compile_warns_and_leaves_the_triton_forward(monkeyp
         assert fake.launched == 0
     finally:
         fake.ready.set()
+        plan.PLANS.clear()
+
+
+def test_a_kernel_that_does_not_fit_leaves_the_gluon_kernel_to_other_mods(monkeypatch):
+    # shared memory or registers a mod's code adds: that problem runs the Triton forward, and
+    # the next problem still takes the Gluon kernel (a version failure would end it for all)
+    import maskc
+    from triton.runtime.errors import OutOfResources
+    fake = _FakeGluonPlan(error=OutOfResources(294912, 232448, "shared memory"))
+    rule = hopper.runs
+    _gluon_everywhere(monkeypatch, fake)
+    monkeypatch.setattr(hopper, "runs", rule)  # the module's own rule, which reads the problem's failure
+    monkeypatch.setattr(hopper, "_can_run", lambda problem: True)
+    monkeypatch.setenv("MASKC_GLUON", "always")  # compile at the first call, wherever it can
+    q, k, v = _inputs()
+    try:
+        with pytest.warns(RuntimeWarning, match="did not fit this GPU.*other mods keep the Gluon kernel"):
+            out = maskc.compiled_attention(q, k, v, mask_mod=masks.causal)
+        assert_close_to_reference(out, attention_reference(q, k, v, masks.causal)[0])
+        assert not hopper._failures
+        maskc.compiled_attention(q, k, v, mask_mod=masks.causal)  # this problem: not tried again
+        assert fake.launched == 1
+        fake.error = None
+        maskc.compiled_attention(q, k, v, mask_mod=masks.sliding_window(8))  # another mod: tried
+        assert fake.launched == 2
+    finally:
         plan.PLANS.clear()
 
 

@@ -42,6 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from maskc.runtime import tiles
 from maskc.runtime.descriptors import fits
@@ -67,7 +68,7 @@ AUTO_BACKWARD_DIMS = (64,)
 # be chosen: the sliding window that tied kept ~9, causal at 8192 keeps ~32.
 MIN_TILES_PER_ROW = 16
 # Why a Gluon kernel ("hfwd", "hbwd", "hbwd+dq") failed in this process, by kind: that kind is not
-# tried again.
+# tried again (a kernel that did not fit is recorded on its problem instead: `failed`).
 _failures: dict[str, str] = {}
 # One thread compiles the Gluon kernels (compile_later): Triton's compiler releases the GIL in its
 # passes and ptxas, so the caller's thread goes on launching meanwhile. Compiles still queued at
@@ -108,7 +109,7 @@ def _can_run(problem) -> bool:
 
 def runs(problem) -> bool:
     """Whether the Gluon forward runs `problem`."""
-    if tiles.forward_forced() or "hfwd" in _failures or not _can_run(problem):
+    if tiles.forward_forced() or _failed(problem, "hfwd") or not _can_run(problem):
         return False
     setting = gluon_setting()
     if setting == "never":
@@ -125,7 +126,7 @@ def runs_backward(problem) -> bool:
     """Whether the Gluon dK/dV kernel runs `problem`'s backward: where the Gluon forward can
     (the forward's shapes cover the dK/dV kernel's tiles) and no backward tiles are forced; by
     default only at D=64, where it measured faster on all seven workloads (AUTO_BACKWARD_DIMS)."""
-    if tiles.backward_forced() or "hbwd" in _failures or not _can_run(problem):
+    if tiles.backward_forced() or _failed(problem, "hbwd") or not _can_run(problem):
         return False
     setting = gluon_setting()
     return setting == "always" or (setting == "auto" and problem.D in AUTO_BACKWARD_DIMS)
@@ -144,7 +145,7 @@ def computes_dq(problem) -> bool:
     (an unmasked P there, overflowing in float16, times K's zero rows was NaN: the GPU check)."""
     config = BACKWARD[problem.D]
     return (config.block_m >= 64 and not problem.grad_tensors and not torch.are_deterministic_algorithms_enabled()
-            and "hbwd+dq" not in _failures)
+            and not _failed(problem, "hbwd+dq"))
 
 
 def _faster(problem) -> bool:
@@ -192,16 +193,29 @@ def settle() -> None:
 _KINDS = {"hfwd": "forward", "hbwd": "dK/dV kernel", "hbwd+dq": "dK/dV kernel with dQ"}
 
 
-def failed(key: str, error: BaseException, compiling: bool) -> None:
+def failed(key: str, error: BaseException, compiling: bool, problem) -> None:
     """The Gluon kernel `key` ("hfwd", "hbwd" or "hbwd+dq") failed to compile or on its first
-    launch (a Triton whose Gluon differs from the 3.6 and 3.9 the templates were compiled with,
-    a GPU with less shared memory): the Triton-language kernel runs in its place from now on
-    in this process, and a warning says so once."""
-    _failures[key] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+    launch, and a warning says so. Where it did not fit the GPU (OutOfResources: shared memory
+    or registers, which a mod's code adds to), the Triton-language kernel runs `problem` in its
+    place and other mods keep the Gluon kernel. Any other failure (a Triton whose Gluon differs
+    from the 3.6 and 3.9 the templates were compiled with) ends that kind for the process."""
+    reason = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
     when = "to compile" if compiling else "on its first launch"
+    if isinstance(error, OutOfResources):
+        problem.launches[(key, "failed")] = reason
+        warnings.warn(f"maskc's Gluon {_KINDS[key]} for Hopper did not fit this GPU {when} for this mask and "
+                      f"score mod ({reason}); the Triton-language kernel runs them instead, and other mods keep "
+                      f"the Gluon kernel", RuntimeWarning, stacklevel=4)
+        return
+    _failures[key] = reason
     warnings.warn(f"maskc's Gluon {_KINDS[key]} for Hopper failed {when} with Triton {triton.__version__} "
-                  f"({_failures[key]}); maskc runs its Triton-language kernel instead from now on. Set MASKC_GLUON=0 "
+                  f"({reason}); maskc runs its Triton-language kernel instead from now on. Set MASKC_GLUON=0 "
                   f"to skip the attempt, and please report the error", RuntimeWarning, stacklevel=4)
+
+
+def _failed(problem, key: str) -> bool:
+    """Whether the Gluon kernel `key` failed in this process, or for this problem (`failed`)."""
+    return key in _failures or (key, "failed") in problem.launches
 
 
 def descriptors(q, k, v, out):

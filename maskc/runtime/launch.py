@@ -239,7 +239,7 @@ def _launch_gluon(problem: Problem, key: str, make_plan, values) -> bool:
         try:
             plan = make_plan(problem)
         except Exception as error:  # noqa: BLE001 (rendering or loading its file: hopper.failed names it)
-            hopper.failed(key, error, compiling=True)
+            hopper.failed(key, error, compiling=True, problem=problem)
             return False
         # The compile specialises on this call's own values, as the GPU runs measured it; it holds
         # their tensors until it is done (seconds). Triton's stand-ins (a dtype for a tensor) were
@@ -256,13 +256,13 @@ def _launch_gluon(problem: Problem, key: str, make_plan, values) -> bool:
         if problem.launches.pop((key, "compiling"), None) is None:
             return False  # another thread took it
         if compiling.exception() is not None:
-            hopper.failed(key, compiling.exception(), compiling=True)
+            hopper.failed(key, compiling.exception(), compiling=True, problem=problem)
             return False
     try:
         plan = plan or make_plan(problem)
         plan(*values)
     except Exception as error:  # noqa: BLE001 (any failure of the first launch: hopper.failed names it)
-        hopper.failed(key, error, compiling=False)
+        hopper.failed(key, error, compiling=False, problem=problem)
         return False
     problem.launches[key] = plan
     return True
