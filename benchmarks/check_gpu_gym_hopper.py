@@ -112,7 +112,8 @@ CASES = [
     ("graphormer_spatial", 2, 384, 384, lambda: (None, _graphormer_spatial(384))),
     ("graphormer_edge", 2, 256, 256, lambda: (None, _graphormer_edge(256))),
     ("causal+alibi", 1, 384, 384, lambda: (M.causal_mask, MOD.generate_alibi_bias(H))),
-    ("sliding_window+tanh_softcap", 1, 448, 448, lambda: (M.generate_sliding_window(100), MOD.generate_tanh_softcap(2))),
+    ("sliding_window+tanh_softcap", 1, 448, 448,
+     lambda: (M.generate_sliding_window(100), MOD.generate_tanh_softcap(2))),
 ]
 
 

@@ -35,7 +35,7 @@ SETTINGS = (
             "process, 0.3 s)"),
     Setting("MASKC_GLUON", "1",
             "on Hopper GPUs, 1 runs the Gluon forward (templates/attention_fwd_hopper.py.jinja) and dK/dV kernel "
-            "(attention_bwd_hopper.py.jinja; with dQ at D=64 where kv_len is a multiple of 128, not under "
+            "(attention_bwd_hopper.py.jinja; with dQ at D=64, not under "
             "deterministic algorithms or learnable captured tensors) where they measured faster "
             "(maskc/runtime/hopper.py), always wherever they can run, 0 never"),
     Setting("MASKC_DIRECT_LAUNCH", "1",

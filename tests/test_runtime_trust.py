@@ -357,9 +357,9 @@ def test_a_kernel_whose_shared_memory_does_not_fit_runs_with_fewer_stages():
     from maskc.runtime.launch import LaunchPlan
     tried = []
 
-    def fn(*args, num_warps, num_stages):
+    def fn(*args, num_warps, num_stages=None, maxnreg=None):
         tried.append(num_stages)
-        if num_stages > fits:
+        if num_stages is None or num_stages > fits:
             raise OutOfResources(294912, 232448, "shared memory")
         return "compiled"
     plan = object.__new__(LaunchPlan)  # a plan around the fake launch above
@@ -370,9 +370,16 @@ def test_a_kernel_whose_shared_memory_does_not_fit_runs_with_fewer_stages():
     fits, plan._options = 0, dict(num_warps=8, num_stages=2)
     with pytest.raises(maskc.MaskcError, match="shared memory with one pipeline stage.*narrower dtype"):
         plan._fitting([])
+    # a Gluon plan (no num_stages: its ring is a constexpr) gets the error as it is, which
+    # hopper.failed records for its problem alone
+    tried.clear()
+    plan._options = dict(num_warps=4, maxnreg=168)
+    with pytest.raises(OutOfResources):
+        plan._fitting([])
+    assert tried == [None]
 
-    def registers(*args, **options):
-        raise OutOfResources(300, 255, "registers")
-    plan.fn = registers  # not shared memory: fewer stages would not help, and it is raised as it is
+    def threads(*args, **options):
+        raise OutOfResources(2048, 1024, "threads")
+    plan.fn, plan._options = threads, dict(num_warps=8, num_stages=3)  # fewer stages would not help
     with pytest.raises(OutOfResources):
         plan._fitting([])

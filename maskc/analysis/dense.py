@@ -263,7 +263,6 @@ class _Evaluator:
     _LoadInt = _LoadFloat = _LoadBool = _load
 
 
-
 def symbols_env(b, h, q_idx, kv_idx, score=None) -> dict:
     env = {B: b, H: h, Q_IDX: q_idx, KV_IDX: kv_idx}
     if score is not None:

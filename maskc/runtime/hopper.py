@@ -19,9 +19,9 @@ D=128 (1.08×, which the rule leaves: it lost 0.82× at D=64); it lost on 12 cau
 (0.55-0.70×: about 6 tiles a row, and each run pays its pipeline's start) and on softcap
 (0.46-0.56×: tanh's arithmetic, on 8 math warps a multiprocessor against the Triton kernel's
 12). The dK/dV kernel runs by default at D=64 only (AUTO_BACKWARD_DIMS), whichever forward ran,
-and there it computes dQ as well: forward + backward went
-1.22-1.95× FlexAttention on the seven workloads (H200, bench_attention.py --backward --dim 64),
-from 1.03-1.65× with the dQ kernel.
+and there it computes dQ as well: forward + backward went 1.22-1.95× FlexAttention on the
+seven workloads (H200, bench_attention.py --backward --dim 64), from 1.03-1.65× with the dQ
+kernel.
 MASKC_GLUON=always runs both wherever they can (the GPU check does).
 
 A new Gluon kernel compiles in a background thread while the Triton kernel serves the calls
@@ -195,17 +195,18 @@ _KINDS = {"hfwd": "forward", "hbwd": "dK/dV kernel", "hbwd+dq": "dK/dV kernel wi
 
 def failed(key: str, error: BaseException, compiling: bool, problem) -> None:
     """The Gluon kernel `key` ("hfwd", "hbwd" or "hbwd+dq") failed to compile or on its first
-    launch, and a warning says so. Where it did not fit the GPU (OutOfResources: shared memory
-    or registers, which a mod's code adds to), the Triton-language kernel runs `problem` in its
-    place and other mods keep the Gluon kernel. Any other failure (a Triton whose Gluon differs
-    from the 3.6 and 3.9 the templates were compiled with) ends that kind for the process."""
+    launch, and a warning says so. Where it did not fit the GPU (OutOfResources: shared memory,
+    which a mod's code adds to), the Triton-language kernel runs `problem` (this mask, score mod,
+    shape and dtype) in its place while the problem stays cached, and other problems keep the
+    Gluon kernel. Any other failure (a Triton whose Gluon differs from the 3.6 and 3.9 the
+    templates were compiled with) ends that kind for the process."""
     reason = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
     when = "to compile" if compiling else "on its first launch"
     if isinstance(error, OutOfResources):
         problem.launches[(key, "failed")] = reason
-        warnings.warn(f"maskc's Gluon {_KINDS[key]} for Hopper did not fit this GPU {when} for this mask and "
-                      f"score mod ({reason}); the Triton-language kernel runs them instead, and other mods keep "
-                      f"the Gluon kernel", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"maskc's Gluon {_KINDS[key]} for Hopper did not fit this GPU {when} for this mask, score "
+                      f"mod and shape ({reason}); the Triton-language kernel runs them instead, and other problems "
+                      f"keep the Gluon kernel", RuntimeWarning, stacklevel=4)
         return
     _failures[key] = reason
     warnings.warn(f"maskc's Gluon {_KINDS[key]} for Hopper failed {when} with Triton {triton.__version__} "

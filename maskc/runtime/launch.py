@@ -113,16 +113,16 @@ class LaunchPlan:
             try:
                 return self.fn(*args, **self._options)
             except OutOfResources as error:
-                stages = self._options.get("num_stages", 3)  # Triton's default where none is given
-                if error.name != "shared memory":
+                # a Gluon kernel's stages are its own constexpr (hopper.failed takes its error)
+                if error.name != "shared memory" or "num_stages" not in self._options:
                     raise
+                stages = self._options["num_stages"]
                 if stages <= 1:
                     raise MaskcError(
                         f"{self._what} needs {error.required} bytes of shared memory with one pipeline stage, "
                         f"more than this GPU's {error.limit}: the mod's reads of captured tensors are staged "
                         f"there for every score; store those tensors in a narrower dtype (int32 or int16 "
-                        f"indices, float16 values) or force smaller tiles with "
-                        f"maskc.runtime.tiles.use_config") from error
+                        f"indices, float16 values)") from error
                 _log.info("%s needs %d bytes of shared memory with %d stages (%d here): trying %d", self._what,
                           error.required, stages, error.limit, stages - 1)
                 self._options = {**self._options, "num_stages": stages - 1}
