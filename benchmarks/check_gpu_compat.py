@@ -4,8 +4,16 @@ CUDA, forward and backward, against the float64 reference.
 
     bash benchmarks/run_gpu.sh benchmarks/check_gpu_compat.py          # needs attn-gym importable
     bash benchmarks/run_gpu.sh benchmarks/check_gpu_compat.py 2/8      # the second of eight shards
+    bash benchmarks/run_gpu.sh benchmarks/check_gpu_compat.py --gluon  # FlexAttention's mods, Gluon kernels
 
 Compiling each case's kernels takes seconds, so shards can run as parallel processes.
+
+--gluon runs FlexAttention's test mods (tests/compat_mods.py) through the Gluon Hopper kernels
+(MASKC_GLUON=always; they need at least 64 queries and 128 keys): each case at GLUON_SCALE
+times its lengths, with compat_mods' S scaled alike before the mods are built, bfloat16, D=64
+(the dK/dV kernel computing dQ). The reference runs on the CPU, on a second build of the mods
+there: a mod whose captured sizes do not follow S fails there with an index error, which is
+counted apart, not as maskc's failure. attention-gym's mods: check_gpu_gym_hopper.py.
 
 The CPU suite runs the same generated source through Triton's interpreter; compiled code can
 differ (integer widths, library functions such as erf, constexpr folding), so this runs each
@@ -16,7 +24,9 @@ that fails or is refused, and a count; exits non-zero if any case fails.
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -43,18 +53,17 @@ def close(got, want, dtype) -> float:
 
 def to_cuda(fn, seen=None):
     """`fn` with every tensor it captures (closure cells, globals, partial arguments, through
-    the functions it captures) moved to the GPU in place: the cases are built on the CPU, as
-    the test suite builds them, and maskc requires captured tensors beside q."""
+    the functions it captures) moved to the GPU, in place but for a partial, which is rebuilt:
+    the cases are built on the CPU, as the test suite builds them, and maskc requires captured
+    tensors beside q."""
     seen = set() if seen is None else seen
     if fn is None or id(fn) in seen:
         return fn
     seen.add(id(fn))
     fn = getattr(fn, "fn", fn)
-    if isinstance(fn, functools.partial):
-        to_cuda(fn.func, seen)
-        for a in (*fn.args, *fn.keywords.values()):
-            to_cuda(a, seen) if callable(a) else None
-        return fn
+    if isinstance(fn, functools.partial):  # a new partial: its arguments cannot be replaced in place
+        return functools.partial(to_cuda(fn.func, seen), *(moved(a, seen) for a in fn.args),
+                                 **{k: moved(a, seen) for k, a in fn.keywords.items()})
     code = getattr(fn, "__code__", None)
     if code is None:
         return fn
@@ -103,8 +112,89 @@ def run(case, dtype) -> str | None:
     return ", ".join(f"{n} {e:.1e}" for n, e in bad.items()) or None
 
 
+GLUON_SCALE = 8  # 40 × 56 queries and keys become 320 × 448 (ragged against 128-key tiles)
+
+
+class NoReference(Exception):
+    """The float64 reference could not run the mod at the scaled lengths."""
+
+
+def built(case, device):
+    """A fresh build of the case's (mask_mod, score_mod), with its own seed, its captured
+    tensors on `device`."""
+    with torch.random.fork_rng():
+        torch.manual_seed(zlib.crc32(case.id.encode()))
+        mods = case.build()
+    return tuple(to_cuda(m) for m in mods) if device == "cuda" else mods
+
+
+def run_gluon(case) -> str | None:
+    from maskc.runtime import plan as plans
+    Lq, Lkv = case.q_len * GLUON_SCALE, case.kv_len * GLUON_SCALE
+    g = torch.Generator().manual_seed(0)
+    # values bf16 can hold: a mod that compares scores with a threshold (padded_dense_causal) sees
+    # the kernel's scores on the reference's side of it
+    q64, k64, v64 = (torch.randn(case.B, compat.HEADS, n, 64, generator=g).to(torch.bfloat16).double().requires_grad_()
+                     for n in (Lq, Lkv, Lkv))
+    do = torch.randn(case.B, compat.HEADS, Lq, 64, generator=g, dtype=torch.float64)
+    mask_mod, score_mod = built(case, "cpu")
+    try:
+        ref, ref_lse = attention_reference(q64, k64, v64, mask_mod=mask_mod, score_mod=score_mod)
+    except (IndexError, RuntimeError) as e:
+        raise NoReference(f"{type(e).__name__}: {str(e)[:120]}") from e
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do)
+    mask_mod, score_mod = built(case, "cuda")
+    q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in (q64, k64, v64))
+    plans.PLANS.clear()
+    out, lse = maskc.compiled_attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), do.to("cuda", torch.bfloat16))
+    ran = {key for p in plans.PLANS.values() for key in p.launches if key in ("hfwd", "hbwd", "hbwd+dq")}
+    out, lse, grads = out.cpu(), lse.cpu(), [g_.cpu() for g_ in grads]  # beside the reference
+    errors = {"out": close(out, ref, torch.bfloat16)}
+    errors.update({n: close(g_, r, torch.bfloat16) for n, g_, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
+    finite = ~torch.isneginf(ref_lse)
+    if not torch.equal(torch.isneginf(lse), ~finite):
+        return "lse is -inf on other rows than the reference's"
+    errors["lse"] = close(lse[finite], ref_lse[finite], torch.bfloat16)
+    bad = ", ".join(f"{n} {e:.1e}" for n, e in errors.items() if e > TOLERANCE[torch.bfloat16])
+    # dQ from the dK/dV kernel unless a captured tensor needs a gradient (hopper.computes_dq)
+    if "hfwd" not in ran or not ran & {"hbwd", "hbwd+dq"}:
+        return bad or f"the Gluon kernels did not both run (ran: {sorted(ran)})"
+    return bad or None
+
+
+def main_gluon(shard: int, shards: int):
+    os.environ["MASKC_GLUON"] = "always"
+    compat.fx.S *= GLUON_SCALE  # the mods read it when they are built
+    compat.fx.seq_length = compat.fx.S  # a copy of S that the learnable-bias mods read
+    cases = compat.FLEX_CASES[shard - 1::shards]
+    failures = refused = unbuildable = 0
+    for case in cases:
+        try:
+            problem = run_gluon(case)
+        except maskc.MaskTraceError as e:
+            refused += 1
+            print(f"refused  {case.id:<48} {str(e)[:110]}")
+            continue
+        except NoReference as e:
+            unbuildable += 1
+            print(f"no ref   {case.id:<48} {e}")
+            continue
+        except Exception as e:  # noqa: BLE001 - report every case, then fail the run
+            problem = f"{type(e).__name__}: {str(e)[:200]}"
+        if problem:
+            failures += 1
+            print(f"FAIL     {case.id:<48} {problem}")
+    print(f"gluon shard {shard}/{shards}: {failures} failures, {refused} refused by the tracer, {unbuildable} "
+          f"whose reference could not run at {GLUON_SCALE}× length, of {len(cases)} cases")
+    sys.exit(1 if failures else 0)
+
+
 def main():
-    shard, shards = map(int, sys.argv[1].split("/")) if len(sys.argv) > 1 else (1, 1)
+    args = [a for a in sys.argv[1:] if a != "--gluon"]
+    shard, shards = map(int, args[0].split("/")) if args else (1, 1)
+    if "--gluon" in sys.argv:
+        main_gluon(shard, shards)
     cases = compat.CASES[shard - 1::shards]
     failures = refused = 0
     for case in cases:
