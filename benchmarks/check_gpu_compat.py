@@ -163,55 +163,39 @@ def run_gluon(case) -> str | None:
     return bad or None
 
 
-def main_gluon(shard: int, shards: int):
-    os.environ["MASKC_GLUON"] = "always"
-    compat.fx.S *= GLUON_SCALE  # the mods read it when they are built
-    compat.fx.seq_length = compat.fx.S  # a copy of S that the learnable-bias mods read
-    cases = compat.FLEX_CASES[shard - 1::shards]
-    failures = refused = unbuildable = 0
-    for case in cases:
-        try:
-            problem = run_gluon(case)
-        except maskc.MaskTraceError as e:
-            refused += 1
-            print(f"refused  {case.id:<48} {str(e)[:110]}")
-            continue
-        except NoReference as e:
-            unbuildable += 1
-            print(f"no ref   {case.id:<48} {e}")
-            continue
-        except Exception as e:  # noqa: BLE001 - report every case, then fail the run
-            problem = f"{type(e).__name__}: {str(e)[:200]}"
-        if problem:
-            failures += 1
-            print(f"FAIL     {case.id:<48} {problem}")
-    print(f"gluon shard {shard}/{shards}: {failures} failures, {refused} refused by the tracer, {unbuildable} "
-          f"whose reference could not run at {GLUON_SCALE}× length, of {len(cases)} cases")
-    sys.exit(1 if failures else 0)
-
-
 def main():
     args = [a for a in sys.argv[1:] if a != "--gluon"]
     shard, shards = map(int, args[0].split("/")) if args else (1, 1)
-    if "--gluon" in sys.argv:
-        main_gluon(shard, shards)
-    cases = compat.CASES[shard - 1::shards]
-    failures = refused = 0
+    gluon = "--gluon" in sys.argv
+    if gluon:
+        os.environ["MASKC_GLUON"] = "always"
+        compat.fx.S *= GLUON_SCALE  # the mods read it when they are built
+        compat.fx.seq_length = compat.fx.S  # a copy of S that the learnable-bias mods read
+        runs = [(run_gluon, "bfloat16")]
+    else:
+        runs = [(functools.partial(run, dtype=dtype), str(dtype)[6:]) for dtype in TOLERANCE]
+    cases = (compat.FLEX_CASES if gluon else compat.CASES)[shard - 1::shards]
+    failures = refused = unbuildable = 0
     for case in cases:
-        for dtype in TOLERANCE:
+        for runner, dtype in runs:
             try:
-                problem = run(case, dtype)
+                problem = runner(case)
             except maskc.MaskTraceError as e:
                 refused += 1
                 print(f"refused  {case.id:<48} {str(e)[:110]}")
+                break
+            except NoReference as e:
+                unbuildable += 1
+                print(f"no ref   {case.id:<48} {e}")
                 break
             except Exception as e:  # noqa: BLE001 - report every case, then fail the run
                 problem = f"{type(e).__name__}: {str(e)[:200]}"
             if problem:
                 failures += 1
-                print(f"FAIL     {case.id:<48} {str(dtype)[6:]:<9} {problem}")
-    print(f"shard {shard}/{shards}: {failures} failures, {refused} cases refused by the tracer, of "
-          f"{len(cases)} cases × {len(TOLERANCE)} dtypes")
+                print(f"FAIL     {case.id:<48} {dtype:<9} {problem}")
+    scaled = f", {unbuildable} whose reference could not run at {GLUON_SCALE}× length" if gluon else ""
+    print(f"{'gluon ' if gluon else ''}shard {shard}/{shards}: {failures} failures, {refused} cases refused by the "
+          f"tracer{scaled}, of {len(cases)} cases × {len(runs)} dtypes")
     sys.exit(1 if failures else 0)
 
 

@@ -34,24 +34,14 @@ import check_gpu_hopper  # noqa: E402
 H = 2
 
 
-def _graph(B, N):
-    """A ring with chords and random edge types, for the Graphormer mods (as test_compat's)."""
-    adjacency = torch.zeros(B, N, N, dtype=torch.bool)
-    idx = torch.arange(N)
-    adjacency[:, idx, (idx + 1) % N] = True
-    adjacency[:, idx, (idx * 7 + 3) % N] = True
-    adjacency = adjacency | adjacency.transpose(1, 2)
-    return adjacency, torch.randint(0, 3, (B, N, N))
-
-
 def _graphormer_spatial(N):
-    adjacency, _ = _graph(2, N)
+    adjacency, _ = check_gpu_compat.compat._graph(2, N)  # test_compat's graph, at N nodes
     distances = MOD.shortest_path_distances(adjacency, max_distance=4).cuda()
     return MOD.generate_graphormer_spatial_bias(torch.randn(H, 6, device="cuda"), distances)
 
 
 def _graphormer_edge(N):
-    adjacency, edge_types = _graph(2, N)
+    adjacency, edge_types = check_gpu_compat.compat._graph(2, N)
     path_edge_types, path_lengths = MOD.shortest_path_edge_types(adjacency, edge_types, max_path_len=2)
     return MOD.generate_graphormer_edge_bias(torch.randn(H, 2, 3, device="cuda"), path_edge_types.cuda(),
                                              path_lengths.cuda())
