@@ -8,8 +8,8 @@ at 40 queries and 56 keys: under the Gluon kernels' smallest extents (64 queries
 there they run the Triton-language kernels. Here each builder gets sizes of a few hundred
 tokens instead, chosen as the compat cases' are (document lengths summing to the key length,
 canvases whose cells are the keys), ragged against the 128-key tiles in some cases and not in
-others. Each case runs at D=64 and 128, bfloat16, with MASKC_GLUON=always, and check_gpu_hopper's
-`check` asserts that the Gluon kernels ran. `.site` holds attn_gym where the GPU machine has
+others. Each case runs at D=64 and 128, bfloat16 (or --dtype float16), with MASKC_GLUON=always,
+and check_gpu_hopper's `check` asserts that the Gluon kernels ran. `.site` holds attn_gym where the GPU machine has
 no package index (`pip install --no-deps --target .site attn-gym`). Exits non-zero on any failure.
 """
 from __future__ import annotations
@@ -112,8 +112,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("shard", nargs="?", default="1/1", help="i/n: every n-th case from the i-th")
     parser.add_argument("--only", default="", help="case names, separated by commas")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = parser.parse_args()
     shard, shards = map(int, args.shard.split("/"))
+    dtype = getattr(torch, args.dtype)
     failures = ran = 0
     for name, B, Lq, Lkv, build in CASES[shard - 1::shards]:
         if args.only and name not in args.only.split(","):
@@ -122,9 +124,10 @@ def main():
         # tensors a builder made on the CPU (sandwich's table) go beside q, as a user's would
         mask, score = (check_gpu_compat.to_cuda(m) for m in build())
         for D in (64, 128):
-            q = torch.randn(B, H, Lq, D, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(B, H, Lkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            failures += check_gpu_hopper.check(f"gym-{name:32s} B={B} Lq={Lq} Lkv={Lkv} D={D}", q, k, v, mask, score)
+            q = torch.randn(B, H, Lq, D, device="cuda", dtype=dtype)
+            k, v = (torch.randn(B, H, Lkv, D, device="cuda", dtype=dtype) for _ in range(2))
+            failures += check_gpu_hopper.check(f"gym-{name:32s} B={B} Lq={Lq} Lkv={Lkv} D={D} {args.dtype}", q, k, v,
+                                               mask, score)
             ran += 1
     print(f"shard {shard}/{shards}: {failures} failures of {ran} runs")
     sys.exit(1 if failures else 0)
