@@ -113,17 +113,19 @@ def test_dense_evaluation_follows_torch(expr, want):
     torch.testing.assert_close(got.double().expand(want.shape), want.double())
 
 
-@pytest.mark.parametrize("expr", [
-    sympy.Max(0, Q_IDX - 2) <= KV_IDX,  # natten's clamp: a constant broadcast beside the indices
-    sympy.Min(7, Q_IDX) > KV_IDX,
-    LoadFloat(0, sympy.Max(1, KV_IDX)),  # a captured tensor read at an index built from a constant
+@pytest.mark.parametrize("expr, table", [
+    (sympy.Max(0, Q_IDX - 2) <= KV_IDX, (8,)),  # natten's clamp: a constant broadcast beside the indices
+    (sympy.Min(7, Q_IDX) > KV_IDX, (8,)),
+    (LoadFloat(0, sympy.Max(1, KV_IDX)), (8,)),  # a captured tensor read at an index built from a constant
+    (LoadFloat(0, 3, KV_IDX), (8, 8)),  # ... and at a constant index
+    (sympy.true, (8,)),  # a constant mask: the dense verdict expands it beside the lengths' bounds
 ], ids=str)
-def test_dense_evaluation_stays_on_the_indices_device(expr):
-    # "meta" stands in for CUDA: a constant made on the CPU broke Max, Min and loads on the GPU
-    # (torch.broadcast_tensors and indexing do not move a CPU scalar as arithmetic does)
+def test_dense_evaluation_stays_on_the_indices_device(expr, table):
+    # "meta" stands in for CUDA: constants are 0-d CPU tensors, which broke Max, Min (expanded
+    # by torch.broadcast_tensors into CPU tensors) and loads at constant indices on the GPU
     zero = torch.zeros((), dtype=torch.int64, device="meta")
     env = symbols_env(zero, zero, Q.to("meta"), KV.to("meta"))
-    assert evaluate(expr, env, [torch.randn(8)], {}).device.type == "meta"
+    assert evaluate(expr, env, [torch.randn(table)], {}).device.type == "meta"
 
 
 # -- interval analysis: sound on every tile, by brute force ------------------------------------

@@ -22,8 +22,10 @@ from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE
 
 def evaluate(expr, env: dict, tensors, params: dict):
     """Value of `expr` with index symbols bound to tensors in `env` (keys B, H, Q_IDX, KV_IDX,
-    optionally SCORE), captured tensors by slot, and parameter symbols bound in `params`."""
-    return _Evaluator(env, tensors, params, _uses(expr)).run(expr)
+    optionally SCORE), captured tensors by slot, and parameter symbols bound in `params`; on
+    the device of env's tensors (an expression free of them is a constant: a CPU scalar)."""
+    evaluator = _Evaluator(env, tensors, params, _uses(expr))
+    return evaluator.run(expr).to(evaluator.device)
 
 
 def _uses(expr) -> dict:
@@ -47,8 +49,9 @@ class _Evaluator:
         self.env, self.tensors, self.params = env, tensors, params
         self.left = uses  # node -> uses still to come, for the nodes used more than once
         self.kept = {}
-        # constants live beside the indices: broadcast_tensors and indexing do not move a CPU
-        # scalar to the GPU as arithmetic does (Max(0, q_idx - 2) on CUDA indices failed)
+        # Constants stay 0-d CPU tensors, which torch's elementwise ops take beside tensors on
+        # any device as scalars (no copy to the GPU). Only what expands or indexes with them
+        # must move them: Max(0, q_idx - 2) and loads at constant indices failed on CUDA.
         self.device = next((v.device for v in env.values()), torch.device("cpu"))
 
     def run(self, e):
@@ -66,26 +69,23 @@ class _Evaluator:
 
     def _value(self, e):
         if e is sympy.true:
-            return self._constant(True)
+            return torch.tensor(True)
         if e is sympy.false:
-            return self._constant(False)
+            return torch.tensor(False)
         if isinstance(e, sympy.Integer):
-            return self._constant(int(e))
+            return torch.tensor(int(e))
         if isinstance(e, (sympy.Rational, sympy.Float)) or e.is_Number:
-            return self._constant(float(e), torch.float64)
+            return torch.tensor(float(e), dtype=torch.float64)
         if isinstance(e, sympy.Symbol):
             if e in self.env:
                 return self.env[e]
-            return self._constant(self.params[e])
+            return torch.tensor(self.params[e])
         if e is sympy.pi or e is sympy.E:
-            return self._constant(float(e), torch.float64)
+            return torch.tensor(float(e), dtype=torch.float64)
         method = getattr(self, "_" + type(e).__name__, None)
         if method is None:
             raise NotImplementedError(f"dense evaluation of {type(e).__name__} ({e}) is not implemented")
         return method(e)
-
-    def _constant(self, value, dtype=None):
-        return torch.tensor(value, dtype=dtype, device=self.device)
 
     def _args(self, e):
         return [self.run(a) for a in e.args]
@@ -135,13 +135,13 @@ class _Evaluator:
     def _Min(self, e):
         out = self.run(e.args[0])
         for a in e.args[1:]:
-            out = torch.minimum(*torch.broadcast_tensors(out, self.run(a)))
+            out = torch.minimum(out, self.run(a))
         return out
 
     def _Max(self, e):
         out = self.run(e.args[0])
         for a in e.args[1:]:
-            out = torch.maximum(*torch.broadcast_tensors(out, self.run(a)))
+            out = torch.maximum(out, self.run(a))
         return out
 
     def _Abs(self, e):
@@ -248,17 +248,22 @@ class _Evaluator:
 
     def _load(self, e):
         tensor = self.tensors[int(e.args[0])]
-        index = [self.run(i) for i in e.args[1:]]
-        index = torch.broadcast_tensors(*index) if index else []
-        inside = self._constant(True)
+        # indices beside the tensor: a constant index is a CPU scalar
+        index = [self.run(i).to(self.device) for i in e.args[1:]]
+        if not index:  # a 0-d tensor's one element
+            return self._widened(tensor.to(self.device).reshape(()))
+        inside = True
         clamped = []
-        for dim, i in enumerate(index):
+        for dim, i in enumerate(torch.broadcast_tensors(*index)):
             inside = inside & (i >= 0) & (i < tensor.shape[dim])
             clamped.append(i.clamp(0, tensor.shape[dim] - 1).to(torch.long))
-        value = tensor.to(self.device)[tuple(clamped)] if clamped else tensor.to(self.device).reshape(())
-        # widened as the kernel's loads are (_widen): arithmetic on the value never wraps or rounds
-        value = value.to(torch.float64 if value.dtype.is_floating_point else torch.int64)
+        value = self._widened(tensor.to(self.device)[tuple(clamped)])
         return torch.where(inside, value, torch.zeros((), dtype=value.dtype, device=value.device))
+
+    @staticmethod
+    def _widened(value):
+        # as the kernel's loads read (_widen): arithmetic on the value never wraps or rounds
+        return value.to(torch.float64 if value.dtype.is_floating_point else torch.int64)
 
     _LoadInt = _LoadFloat = _LoadBool = _load
 
