@@ -102,14 +102,19 @@ def run(case, dtype) -> str | None:
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref, ref_lse = attention_reference(q64, k64, v64, mask_mod=mask_mod, score_mod=score_mod)
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+    return compared((out, lse, *grads), (ref, ref_lse, *ref_grads), dtype)
+
+
+def compared(got, want, dtype) -> str | None:
+    """What of (out, lse, dq, dk, dv) is off the reference's, or None."""
+    (out, lse, *grads), (ref, ref_lse, *ref_grads) = got, want
     errors = {"out": close(out, ref, dtype)}
     errors.update({n: close(g_, r, dtype) for n, g_, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
     finite = ~torch.isneginf(ref_lse)
     if not torch.equal(torch.isneginf(lse), ~finite):
         return "lse is -inf on other rows than the reference's"
     errors["lse"] = close(lse[finite], ref_lse[finite], dtype)
-    bad = {n: e for n, e in errors.items() if e > TOLERANCE[dtype]}
-    return ", ".join(f"{n} {e:.1e}" for n, e in bad.items()) or None
+    return ", ".join(f"{n} {e:.1e}" for n, e in errors.items() if e > TOLERANCE[dtype]) or None
 
 
 GLUON_SCALE = 8  # 40 × 56 queries and keys become 320 × 448 (ragged against 128-key tiles)
@@ -149,18 +154,12 @@ def run_gluon(case) -> str | None:
     out, lse = maskc.compiled_attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), do.to("cuda", torch.bfloat16))
     ran = {key for p in plans.PLANS.values() for key in p.launches if key in ("hfwd", "hbwd", "hbwd+dq")}
-    out, lse, grads = out.cpu(), lse.cpu(), [g_.cpu() for g_ in grads]  # beside the reference
-    errors = {"out": close(out, ref, torch.bfloat16)}
-    errors.update({n: close(g_, r, torch.bfloat16) for n, g_, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
-    finite = ~torch.isneginf(ref_lse)
-    if not torch.equal(torch.isneginf(lse), ~finite):
-        return "lse is -inf on other rows than the reference's"
-    errors["lse"] = close(lse[finite], ref_lse[finite], torch.bfloat16)
-    bad = ", ".join(f"{n} {e:.1e}" for n, e in errors.items() if e > TOLERANCE[torch.bfloat16])
+    # compared beside the reference, on the CPU
+    bad = compared([t.cpu() for t in (out, lse, *grads)], (ref, ref_lse, *ref_grads), torch.bfloat16)
     # dQ from the dK/dV kernel unless a captured tensor needs a gradient (hopper.computes_dq)
     if "hfwd" not in ran or not ran & {"hbwd", "hbwd+dq"}:
         return bad or f"the Gluon kernels did not both run (ran: {sorted(ran)})"
-    return bad or None
+    return bad
 
 
 def main():

@@ -120,9 +120,10 @@ class LaunchPlan:
                 if stages <= 1:
                     raise MaskcError(
                         f"{self._what} needs {error.required} bytes of shared memory with one pipeline stage, "
-                        f"more than this GPU's {error.limit}: the mod's reads of captured tensors are staged "
-                        f"there for every score; store those tensors in a narrower dtype (int32 or int16 "
-                        f"indices, float16 values)") from error
+                        f"more than this GPU's {error.limit}: its tiles were chosen for Hopper's 227 KiB, and a "
+                        f"mod's reads of captured tensors are staged there too; store those tensors in a "
+                        f"narrower dtype (int32 or int16 indices, float16 values), or on a GPU with less "
+                        f"shared memory please report it") from error
                 _log.info("%s needs %d bytes of shared memory with %d stages (%d here): trying %d", self._what,
                           error.required, stages, error.limit, stages - 1)
                 self._options = {**self._options, "num_stages": stages - 1}
