@@ -35,9 +35,9 @@ SETTINGS = (
             "process, 0.3 s)"),
     Setting("MASKC_GLUON", "1",
             "on Hopper GPUs, 1 runs the Gluon forward (templates/attention_fwd_hopper.py.jinja) and dK/dV kernel "
-            "(attention_bwd_hopper.py.jinja; with dQ at D=64, not under "
-            "deterministic algorithms or learnable captured tensors) where they measured faster "
-            "(maskc/runtime/hopper.py), always wherever they can run, 0 never"),
+            "(attention_bwd_hopper.py.jinja; with dQ, not under deterministic algorithms or learnable "
+            "captured tensors): the forward where it measured faster, the dK/dV kernel wherever it can "
+            "run (maskc/runtime/hopper.py); always both wherever they can run, 0 never"),
     Setting("MASKC_DIRECT_LAUNCH", "1",
             "0 launches every call through Triton's JIT entry point instead of the compiled kernel it returned"),
 )

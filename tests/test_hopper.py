@@ -164,13 +164,14 @@ def test_the_kernel_is_chosen_where_it_measured_faster(mask, score, L, faster):
 
 
 @pytest.mark.parametrize("setting, D, forced, runs", [
-    ("1", 64, False, True),  # measured 7-13% faster on all seven workloads
-    ("1", 128, False, False),  # measured -2% to +2%
+    ("1", 64, False, True),  # measured faster than the Triton backward on all seven workloads
+    ("1", 128, False, True),  # at parity or faster on all seven
     ("always", 128, False, True),
     ("0", 64, False, False),
+    ("0", 128, False, False),
     ("1", 64, True, False),  # backward tiles forced (tune.py): the Triton kernels'
 ])
-def test_the_dkdv_kernel_is_chosen_at_the_head_dims_it_measured_faster(monkeypatch, setting, D, forced, runs):
+def test_the_dkdv_kernel_runs_wherever_it_can_unless_told_not_to(monkeypatch, setting, D, forced, runs):
     from maskc.runtime.tiles import BackwardConfig, TileConfig, use_config
     monkeypatch.setattr(hopper, "_can_run", lambda problem: True)  # as on an H100 with Gluon
     monkeypatch.setenv("MASKC_GLUON", setting)
@@ -182,10 +183,10 @@ def test_the_dkdv_kernel_is_chosen_at_the_head_dims_it_measured_faster(monkeypat
 
 def test_the_dkdv_kernel_computes_dq_where_it_may(monkeypatch):
     # atomic additions, so not under deterministic algorithms; not where the dQ kernel sums a
-    # captured tensor's gradient; not at D=128, where its q tiles are under wgmma's 64 rows
+    # captured tensor's gradient
     assert hopper.computes_dq(_problem(masks.causal, None, 256, 64))
-    assert not hopper.computes_dq(_problem(masks.causal, None, 256, 128))
-    # kv lengths off its 128-row tiles too: the kernel zeroes dSᵀ past kv_len
+    assert hopper.computes_dq(_problem(masks.causal, None, 256, 128))
+    # kv lengths off its 128-row tiles too: the kernel zeroes dS past kv_len
     assert hopper.computes_dq(_problem(masks.causal, None, 300, 64))
     q = torch.empty(1, 2, 256, 64)
     mask, score = as_mask_mod(masks.causal), as_score_mod(scores.relative_bias(torch.zeros(2, 511), offset=255))

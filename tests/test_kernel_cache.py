@@ -14,9 +14,12 @@ import triton.runtime.cache
 import maskc
 from maskc import masks, scores
 from maskc.codegen.printer import TritonPrinter
+from maskc.codegen.render import render
+from maskc.codegen.source import KernelSource
 from maskc.runtime import KERNELS, loader, plan
 from maskc.runtime.tiles import BackwardConfig, TileConfig, use_config
 from maskc.testing import assert_close_to_reference, attention_reference
+from maskc.trace.mods import as_mask_mod, as_score_mod
 
 
 @pytest.fixture(autouse=True)
@@ -119,6 +122,25 @@ def test_full_tiles_have_no_mask_code(mask):
     # the score mod is applied on both; FULL tiles use ALiBi's split form (codegen/separable.py)
     assert tile.count("s = (") == 1 and "s = (" not in full
     assert full.count("t = qk * score_scale + (") == 1
+
+
+def test_the_gluon_dkdv_kernel_splits_a_score_whose_coefficient_is_one():
+    # ALiBi (score + row + column): FULL tiles take one FMA a score, PARTIAL ones the mod as written
+    alibi = as_score_mod(scores.alibi(scores.alibi_slopes(2))).traced
+    source = KernelSource.of("hbwd", as_mask_mod(masks.causal).traced, alibi, exact=False)
+    assert source.split_score
+    text = render(source).text
+    probabilities = _block(text, "def _probabilities(")
+    full = _block(probabilities, "    else:", after="    if MASKED:")
+    assert "gl.fma(qk, qk_scale * LOG2E, (" in full and "score = " not in full and "s = (" not in full
+    assert "s = (score + " in _block(probabilities, "    if MASKED:")
+    # not for float64, nor where d(score_mod)/d(score) is not 1, which the FULL tiles would need
+    assert not KernelSource.of("hbwd", None, alibi, exact=True).split_score
+    halved = as_score_mod(lambda score, b, h, q_idx, kv_idx: score * 0.5 + kv_idx).traced
+    assert not KernelSource.of("hbwd", None, halved, exact=False).split_score
+    assert KernelSource.of("hfwd", None, halved, exact=False).split_score
+    # nor the Triton backward
+    assert not KernelSource.of("bwd", None, alibi, exact=False).split_score
 
 
 def _block(source: str, header: str, after: str | None = None) -> str:

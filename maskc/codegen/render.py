@@ -117,9 +117,10 @@ def _hooks(spec: KernelSource) -> dict:
     for hook, expr in (("score", spec.score_expr), ("score_grad", score_grad)):
         _name(hooks, hook, next(printed) if expr is not None else None)
     load_printed = list(printed)
-    # Only the forward uses the split. float64 runs exist for exact checks (gradcheck): there
-    # the score mod runs as written, since the split form measured 2e-7 relative error in
-    # float64 against 6e-16 (some term of it is computed in float32; not pinned down).
+    # The forwards and the Gluon dK/dV kernel use the split (KernelSource.split_score). float64
+    # runs exist for exact checks (gradcheck): there the score mod runs as written, since the
+    # split form measured 2e-7 relative error in float64 against 6e-16 (some term of it is
+    # computed in float32; not pinned down).
     separable = separate(spec.score_expr) if spec.split_score else None
     hooks["separable"] = separable is not None
     # the row's and coefficient's statements run once per program, before the column's loop

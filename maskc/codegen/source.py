@@ -33,7 +33,9 @@ class KernelSource:
     tensor_ranks: tuple[int, ...]  # captured tensors, the mask's first
     param_kinds: tuple[str, ...]  # "i" or "f" per runtime scalar, the mask's first
     # The forwards add a score of the form a·score + row + column in one FMA (codegen/separable.py),
-    # except for float64 inputs, which exist for exact checks: there the mod runs as written.
+    # and so does the Gluon dK/dV kernel where a is 1 (d(score_mod)/d(score) is then 1: its FULL
+    # tiles need nothing of the score but the exponent), except for float64 inputs, which exist
+    # for exact checks: there the mod runs as written.
     split_score: bool
     # The backward's captured float tensors whose gradients it accumulates (slots read by the
     # score mod); empty for every other kernel.
@@ -47,7 +49,8 @@ class KernelSource:
         """The source of the `kind` kernel for traced mask and score; `exact` for float64 inputs;
         `grad_slots` the captured tensors whose gradients a backward kernel computes."""
         mask_expr, score_expr, tensors, params = merge(mask, score)
-        split = kind in ("fwd", "hfwd") and not exact and separate(score_expr) is not None
+        separable = separate(score_expr) if not exact else None
+        split = separable is not None and (kind in ("fwd", "hfwd") or kind == "hbwd" and separable.coefficient == 1)
         return cls(kind=kind, mask_signature=mask.signature if mask else "",
                    score_signature=score.signature if score else "", tensor_ranks=tuple(t.dim() for t in tensors),
                    param_kinds=tuple("i" if isinstance(p.value, int) else "f" for p in params), split_score=split,

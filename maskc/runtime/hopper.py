@@ -18,10 +18,11 @@ prefix-LM and ALiBi (1.12-1.26× at D=128, 1.01-1.09× at D=64) and on a 1024 sl
 D=128 (1.08×, which the rule leaves: it lost 0.82× at D=64); it lost on 12 causal documents
 (0.55-0.70×: about 6 tiles a row, and each run pays its pipeline's start) and on softcap
 (0.46-0.56×: tanh's arithmetic, on 8 math warps a multiprocessor against the Triton kernel's
-12). The dK/dV kernel runs by default at D=64 only (AUTO_BACKWARD_DIMS), whichever forward ran,
-and there it computes dQ as well: forward + backward went 1.22-1.95× FlexAttention on the
-seven workloads (H200, bench_attention.py --backward --dim 64), from 1.03-1.65× with the dQ
-kernel.
+12). The dK/dV kernel runs wherever it can, whichever forward ran, and computes dQ as well:
+against the Triton backward (H100, bench_attention.py --backward, one run each side), forward +
+backward went from 1.05 to 1.13× FlexAttention on causal at D=128, 1.10 to 1.15 on prefix-LM,
+1.22 to 1.50 on softcap, and within 2% on the other four; at D=64, 1.22-1.95× (H200), from
+1.03-1.65× with the Triton backward.
 MASKC_GLUON=always runs both wherever they can (the GPU check does).
 
 A new Gluon kernel compiles in a background thread while the Triton kernel serves the calls
@@ -56,14 +57,11 @@ HEAD_DIMS = (64, 128)
 # registers fill the register file, and the producer's 24 leave 240 for each consumer thread.
 CONFIG = tiles.TileConfig(128, 128, 4, 3)
 MAX_REGISTERS = 168
-# The dK/dV kernel (templates/attention_bwd_hopper.py.jinja): block_m the q tile it loops over,
-# block_n its 128 kv rows (two consumer warpgroups of 64), two Q/dO stages. At D=128, 64-row q
-# tiles need more than the consumers' 240 registers (ptxas spilled 596 bytes); 32 rows spill 4.
-BACKWARD = {64: tiles.TileConfig(64, 128, 4, 2), 128: tiles.TileConfig(32, 128, 4, 2)}
-# Where the dK/dV kernel runs by default: against the Triton dK/dV kernel, forward + backward
-# (B=4 H=16 L=8192 bf16, H200, one run) went 7-13% faster on all seven workloads at D=64, and
-# -2% to +2% at D=128 (no mask 17.31 vs 16.91 ms, causal 9.25 vs 9.37): benchmarks/NOTES.md.
-AUTO_BACKWARD_DIMS = (64,)
+# The dK/dV kernel (templates/attention_bwd_hopper.py.jinja): block_m the q tile it loops over
+# (wgmma's 64 rows, which dQ's product needs), block_n its 128 kv rows (two consumer warpgroups
+# of 64), two Q/dO stages. At D=128 ptxas spills 750-1200 bytes of the consumers' 240 registers
+# (dK and dV hold 128 of them), and the kernel still beats the Triton backward (NOTES).
+BACKWARD = {64: tiles.TileConfig(64, 128, 4, 2), 128: tiles.TileConfig(64, 128, 4, 2)}
 # The fewest kv tiles (of CONFIG's 128 keys) a q row keeps on average for the Gluon kernel to
 # be chosen: the sliding window that tied kept ~9, causal at 8192 keeps ~32.
 MIN_TILES_PER_ROW = 16
@@ -124,12 +122,10 @@ def runs(problem) -> bool:
 
 def runs_backward(problem) -> bool:
     """Whether the Gluon dK/dV kernel runs `problem`'s backward: where the Gluon forward can
-    (the forward's shapes cover the dK/dV kernel's tiles) and no backward tiles are forced; by
-    default only at D=64, where it measured faster on all seven workloads (AUTO_BACKWARD_DIMS)."""
-    if tiles.backward_forced() or _failed(problem, "hbwd") or not _can_run(problem):
-        return False
-    setting = gluon_setting()
-    return setting == "always" or (setting == "auto" and problem.D in AUTO_BACKWARD_DIMS)
+    (the forward's shapes cover the dK/dV kernel's tiles), MASKC_GLUON is not 0 and no backward
+    tiles are forced."""
+    return (not tiles.backward_forced() and not _failed(problem, "hbwd") and _can_run(problem)
+            and gluon_setting() != "never")
 
 
 def computes_dq(problem) -> bool:
@@ -137,14 +133,10 @@ def computes_dq(problem) -> bool:
     accumulator with the copy engine's reduction (FlashAttention 3's backward: five matrix
     products a tile instead of the seven of separate dQ and dK/dV kernels). The additions'
     order varies from run to run, so torch.use_deterministic_algorithms(True) keeps the dQ
-    kernel; so do captured tensors that need gradients, which the dQ kernel sums. Only where
-    the kernel's q tiles are at least wgmma's 64 rows (D=64): at D=128 they are 32, and the
-    transposed product dQᵀ = Kᵀ·dSᵀ, 32 columns wide, measured between 3.6% faster and 5% slower
-    than the dQ kernel, by variant (H100, forward + backward; benchmarks/NOTES.md). Key lengths
-    off its 128-row tiles are fine: past kv_len the kernel sets dSᵀ to zero before dQ's product
+    kernel; so do captured tensors that need gradients, which the dQ kernel sums. Key lengths
+    off its 128-row tiles are fine: past kv_len the kernel sets dS to zero before dQ's product
     (an unmasked P there, overflowing in float16, times K's zero rows was NaN: the GPU check)."""
-    config = BACKWARD[problem.D]
-    return (config.block_m >= 64 and not problem.grad_tensors and not torch.are_deterministic_algorithms_enabled()
+    return (not problem.grad_tensors and not torch.are_deterministic_algorithms_enabled()
             and not _failed(problem, "hbwd+dq"))
 
 
@@ -251,6 +243,6 @@ def _descriptors(tensors, blocks):
     return found
 
 
-__all__ = ["AUTO_BACKWARD_DIMS", "BACKWARD", "CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW",
+__all__ = ["BACKWARD", "CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW",
            "backward_descriptors", "compile_later", "computes_dq", "descriptors", "failed", "in_background", "runs",
            "runs_backward", "settle"]
