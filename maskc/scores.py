@@ -12,11 +12,13 @@ import torch
 from maskc.trace.mods import ScoreMod
 
 
-def alibi_slopes(num_heads: int) -> torch.Tensor:
-    """The ALiBi paper's head slopes 2^(-8 i / n) for i = 1..n (float32 [num_heads])."""
+def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The ALiBi paper's head slopes 2^(-8 i / n) for i = 1..n (float32 [num_heads]) on `device`
+    (the CPU by default): a score mod's captured tensor must be on the device of q, k and v."""
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
-    return torch.tensor([2.0 ** (-8.0 * (i + 1) / num_heads) for i in range(num_heads)], dtype=torch.float32)
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / num_heads) for i in range(num_heads)], dtype=torch.float32,
+                        device=device)
 
 
 def alibi(slopes: torch.Tensor) -> ScoreMod:

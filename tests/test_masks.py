@@ -146,6 +146,8 @@ def test_scores_compute_their_formulas():
     torch.testing.assert_close(scores.softcap(30).fn(score, b, h, q, kv), 30 * torch.tanh(score / 30))
     slopes = scores.alibi_slopes(2)
     assert torch.allclose(slopes, torch.tensor([2.0**-4, 2.0**-8]))
+    # built where q, k and v live (a captured tensor must be on their device)
+    assert scores.alibi_slopes(2, device="meta").device.type == "meta"
     torch.testing.assert_close(scores.alibi(slopes).fn(score, b, h, q, kv),
                                score + slopes.view(1, -1, 1, 1).double() * (kv - q))
     table = torch.randn(2, Q_LEN + KV_LEN - 1, dtype=torch.float64)

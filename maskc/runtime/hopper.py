@@ -18,11 +18,12 @@ prefix-LM and ALiBi (1.12-1.26× at D=128, 1.01-1.09× at D=64) and on a 1024 sl
 D=128 (1.08×, which the rule leaves: it lost 0.82× at D=64); it lost on 12 causal documents
 (0.55-0.70×: about 6 tiles a row, and each run pays its pipeline's start) and on softcap
 (0.46-0.56×: tanh's arithmetic, on 8 math warps a multiprocessor against the Triton kernel's
-12). The dK/dV kernel runs wherever it can, whichever forward ran, and computes dQ as well:
-against the Triton backward (H100, bench_attention.py --backward, one run each side), forward +
-backward went from 1.05 to 1.13× FlexAttention on causal at D=128, 1.10 to 1.15 on prefix-LM,
-1.22 to 1.50 on softcap, and within 2% on the other four; at D=64, 1.22-1.95× (H200), from
-1.03-1.65× with the Triton backward.
+12). The dK/dV kernel runs wherever it can, whichever forward ran, and computes dQ as well.
+Against the Triton backward at D=128 (H100, bench_attention.py --backward), forward + backward
+went from 1.05 to 1.13-1.14× FlexAttention on causal, 1.10 to 1.13-1.15 on prefix-LM and 1.22
+to 1.50 on softcap, and from 1.07 to 1.04 on ALiBi, 1.03 to 0.99-1.01 on the sliding window,
+1.09 to 1.08 on no mask and 0.98 to 0.97 on documents (benchmarks/NOTES.md); at D=64 it is
+1.22-2.04× FlexAttention, from 1.03-1.65× with the Triton backward.
 MASKC_GLUON=always runs both wherever they can (the GPU check does).
 
 A new Gluon kernel compiles in a background thread while the Triton kernel serves the calls
