@@ -165,7 +165,7 @@ def test_the_kernel_is_chosen_where_it_measured_faster(mask, score, L, faster):
 
 @pytest.mark.parametrize("setting, D, forced, runs", [
     ("1", 64, False, True),  # measured faster than the Triton backward on all seven workloads
-    ("1", 128, False, True),  # at parity or faster on all seven
+    ("1", 128, False, True),  # faster on causal, prefix-LM and softcap, within 3% on the other four
     ("always", 128, False, True),
     ("0", 64, False, False),
     ("0", 128, False, False),

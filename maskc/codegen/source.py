@@ -49,8 +49,8 @@ class KernelSource:
         """The source of the `kind` kernel for traced mask and score; `exact` for float64 inputs;
         `grad_slots` the captured tensors whose gradients a backward kernel computes."""
         mask_expr, score_expr, tensors, params = merge(mask, score)
-        separable = separate(score_expr) if not exact else None
-        split = separable is not None and (kind in ("fwd", "hfwd") or kind == "hbwd" and separable.coefficient == 1)
+        separable = separate(score_expr) if kind in ("fwd", "hfwd", "hbwd") and not exact else None
+        split = separable is not None and (kind != "hbwd" or separable.coefficient == 1)
         return cls(kind=kind, mask_signature=mask.signature if mask else "",
                    score_signature=score.signature if score else "", tensor_ranks=tuple(t.dim() for t in tensors),
                    param_kinds=tuple("i" if isinstance(p.value, int) else "f" for p in params), split_score=split,
