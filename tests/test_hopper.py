@@ -297,6 +297,36 @@ def test_a_new_gluon_kernel_compiles_while_the_triton_forward_answers(monkeypatc
         plan.PLANS.clear()
 
 
+def test_a_gluon_launch_prepares_its_outputs_only_when_it_runs(monkeypatch):
+    # the dK/dV kernel's dQ sum is zeroed right before the kernel adds into it, not on the calls
+    # the Triton kernels answer while it compiles in the background
+    from maskc.runtime import launch
+    monkeypatch.delenv("MASKC_GLUON", raising=False)
+    monkeypatch.setattr(hopper, "_failures", {})
+    ready, events = threading.Event(), []
+
+    class Plan:
+        def warmup(self):
+            assert ready.wait(30)
+
+        def __call__(self):
+            events.append("launch")
+
+    problem, gluon_plan = _problem(masks.causal, None, 256), Plan()
+
+    def call():
+        return launch._launch_gluon(problem, "hbwd+dq", lambda p: gluon_plan, (), lambda: events.append("prepare"))
+    try:
+        assert not call() and not call()  # compiling
+        ready.set()
+        hopper.settle()
+        assert events == []
+        assert call() and call()
+        assert events == ["prepare", "launch"] * 2
+    finally:
+        ready.set()
+
+
 def test_a_failed_background_compile_warns_and_leaves_the_triton_forward(monkeypatch):
     import maskc
     fake = _FakeGluonPlan(error=RuntimeError("ptxas fatal: out of registers"))
@@ -316,8 +346,9 @@ def test_a_failed_background_compile_warns_and_leaves_the_triton_forward(monkeyp
 
 
 def test_a_kernel_that_does_not_fit_leaves_the_gluon_kernel_to_other_mods(monkeypatch):
-    # shared memory or registers a mod's code adds: that problem runs the Triton forward, and
-    # the next problem still takes the Gluon kernel (a version failure would end it for all)
+    # shared memory or registers a mod's code adds: that mod runs the Triton forward, also once
+    # its plan left the cache, and the next mod still takes the Gluon kernel (a version failure
+    # would end it for all)
     import maskc
     from triton.runtime.errors import OutOfResources
     fake = _FakeGluonPlan(error=OutOfResources(294912, 232448, "shared memory"))
@@ -325,14 +356,17 @@ def test_a_kernel_that_does_not_fit_leaves_the_gluon_kernel_to_other_mods(monkey
     _gluon_everywhere(monkeypatch, fake)
     monkeypatch.setattr(hopper, "runs", rule)  # the module's own rule, which reads the problem's failure
     monkeypatch.setattr(hopper, "_can_run", lambda problem: True)
+    monkeypatch.setattr(hopper, "_misfits", {})
     monkeypatch.setenv("MASKC_GLUON", "always")  # compile at the first call, wherever it can
     q, k, v = _inputs()
     try:
-        with pytest.warns(RuntimeWarning, match="did not fit this GPU.*other problems keep the Gluon kernel"):
+        with pytest.warns(RuntimeWarning, match="did not fit this GPU.*head dim 16.*other mods keep the Gluon kernel"):
             out = maskc.compiled_attention(q, k, v, mask_mod=masks.causal)
         assert_close_to_reference(out, attention_reference(q, k, v, masks.causal)[0])
         assert not hopper._failures
         maskc.compiled_attention(q, k, v, mask_mod=masks.causal)  # this problem: not tried again
+        plan.PLANS.clear()
+        maskc.compiled_attention(q[:, :, :90], k, v, mask_mod=masks.causal)  # nor planned anew, other length
         assert fake.launched == 1
         fake.error = None
         maskc.compiled_attention(q, k, v, mask_mod=masks.sliding_window(8))  # another mod: tried

@@ -67,8 +67,11 @@ BACKWARD = {64: tiles.TileConfig(64, 128, 4, 2), 128: tiles.TileConfig(64, 128, 
 # be chosen: the sliding window that tied kept ~9, causal at 8192 keeps ~32.
 MIN_TILES_PER_ROW = 16
 # Why a Gluon kernel ("hfwd", "hbwd", "hbwd+dq") failed in this process, by kind: that kind is not
-# tried again (a kernel that did not fit is recorded on its problem instead: `failed`).
+# tried again. A kernel that did not fit is recorded by what decides its size instead (`failed`):
+# in this module, not on its problem, so that a problem evicted from the plan cache and planned
+# again does not compile it again.
 _failures: dict[str, str] = {}
+_misfits: dict[tuple, str] = {}
 # One thread compiles the Gluon kernels (compile_later): Triton's compiler releases the GIL in its
 # passes and ptxas, so the caller's thread goes on launching meanwhile. Compiles still queued at
 # exit are dropped rather than waited for.
@@ -189,17 +192,17 @@ _KINDS = {"hfwd": "forward", "hbwd": "dK/dV kernel", "hbwd+dq": "dK/dV kernel wi
 def failed(key: str, error: BaseException, compiling: bool, problem) -> None:
     """The Gluon kernel `key` ("hfwd", "hbwd" or "hbwd+dq") failed to compile or on its first
     launch, and a warning says so. Where it did not fit the GPU (OutOfResources: shared memory,
-    which a mod's code adds to), the Triton-language kernel runs `problem` (this mask, score mod,
-    shape and dtype) in its place while the problem stays cached, and other problems keep the
-    Gluon kernel. Any other failure (a Triton whose Gluon differs from the 3.6 and 3.9 the
-    templates were compiled with) ends that kind for the process."""
+    which a mod's code adds to), the Triton-language kernel runs this mask and score mod's code
+    at this head dim and dtype in its place from now on, and other mods keep the Gluon kernel.
+    Any other failure (a Triton whose Gluon differs from the 3.6 and 3.9 the templates were
+    compiled with) ends that kind for the process."""
     reason = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
     when = "to compile" if compiling else "on its first launch"
     if isinstance(error, OutOfResources):
-        problem.launches[(key, "failed")] = reason
-        warnings.warn(f"maskc's Gluon {_KINDS[key]} for Hopper did not fit this GPU {when} for this mask, score "
-                      f"mod and shape ({reason}); the Triton-language kernel runs them instead, and other problems "
-                      f"keep the Gluon kernel", RuntimeWarning, stacklevel=4)
+        _misfits[_size_key(problem, key)] = reason
+        warnings.warn(f"maskc's Gluon {_KINDS[key]} for Hopper did not fit this GPU {when} for this mask and "
+                      f"score mod at head dim {problem.D}, {problem.dtype} ({reason}); the Triton-language kernel "
+                      f"runs them instead, and other mods keep the Gluon kernel", RuntimeWarning, stacklevel=4)
         return
     _failures[key] = reason
     warnings.warn(f"maskc's Gluon {_KINDS[key]} for Hopper failed {when} with Triton {triton.__version__} "
@@ -208,8 +211,15 @@ def failed(key: str, error: BaseException, compiling: bool, problem) -> None:
 
 
 def _failed(problem, key: str) -> bool:
-    """Whether the Gluon kernel `key` failed in this process, or for this problem (`failed`)."""
-    return key in _failures or (key, "failed") in problem.launches
+    """Whether the Gluon kernel `key` failed in this process, or did not fit for this problem's
+    mods, head dim and dtype (`failed`)."""
+    return key in _failures or _size_key(problem, key) in _misfits
+
+
+def _size_key(problem, key: str) -> tuple:
+    # What a Gluon kernel's shared memory and registers depend on: the mods' code (the file of
+    # the problem's Triton forward is named by it), the head dims and the dtype; not the lengths.
+    return key, problem.forward_kernel.path.name, problem.D, problem.Dv, problem.dtype
 
 
 def descriptors(q, k, v, out):

@@ -108,7 +108,8 @@ class LaunchPlan:
         GPU. The tiles are chosen for q, k and v, but a mod's reads of captured tensors in the
         loop are staged too: attention-gym's Graphormer edge bias (two int64 tables read per
         pair) had its dQ kernel at D=128 ask for 288 KiB of an H100's 227
-        (benchmarks/check_gpu_gym_hopper.py)."""
+        (benchmarks/check_gpu_gym_hopper.py), and the dQ kernel's sums of captured tensors'
+        gradients 241 KiB with three stages."""
         while True:
             try:
                 return self.fn(*args, **self._options)
@@ -227,12 +228,15 @@ def _forward_plan(problem: Problem, tma: bool) -> LaunchPlan:
     return plan
 
 
-def _launch_gluon(problem: Problem, key: str, make_plan, values) -> bool:
+def _launch_gluon(problem: Problem, key: str, make_plan, values, prepare=None) -> bool:
     """Launch a Gluon kernel (`key`: "hfwd", "hbwd" or "hbwd+dq", its plan from `make_plan(problem)`) with
-    `values`; False where it is still compiling in the background or its first launch failed
-    (then the Triton-language kernel runs this call; maskc/runtime/hopper.py)."""
+    `values`, after `prepare()` where given; False where it is still compiling in the background
+    or its first launch failed (then the Triton-language kernel runs this call, and `prepare` is
+    not called; maskc/runtime/hopper.py)."""
     plan = problem.launches.get(key)
     if plan is not None:
+        if prepare is not None:
+            prepare()
         plan(*values)
         return True
     pending = problem.launches.get((key, "compiling"))
@@ -261,6 +265,8 @@ def _launch_gluon(problem: Problem, key: str, make_plan, values) -> bool:
             return False
     try:
         plan = plan or make_plan(problem)
+        if prepare is not None:
+            prepare()
         plan(*values)
     except Exception as error:  # noqa: BLE001 (any failure of the first launch: hopper.failed names it)
         hopper.failed(key, error, compiling=False, problem=problem)
@@ -362,12 +368,14 @@ def _gluon_backward(problem: Problem, q, k, v, d_out, dk, dv, lse, delta):
     if not hopper.runs_backward(problem):
         return False, None
     with_dq = hopper.computes_dq(problem)
-    # the kernel adds each tile's dQ into the sum: rows no tile reaches stay 0
-    dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if with_dq else None
+    # the kernel adds each tile's dQ into the sum: rows no tile reaches stay 0. It is zeroed only
+    # where the kernel launches (not while it compiles in the background: the dQ kernel runs then)
+    dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if with_dq else None
     tma = hopper.backward_descriptors(q, k, v, d_out, dq_sum, problem.D)
     key = "hbwd+dq" if with_dq else "hbwd"
     if tma is None or not _launch_gluon(problem, key, functools.partial(_hopper_dkdv_plan, with_dq=with_dq),
-                                        (*tma, dk, dv, lse, delta, *dk.stride(), *dv.stride())):
+                                        (*tma, dk, dv, lse, delta, *dk.stride(), *dv.stride()),
+                                        dq_sum.zero_ if with_dq else None):
         return False, None
     return True, dq_sum
 

@@ -150,7 +150,9 @@ def problem_of(q, k, v, mask, score, scale, traces, *, block_map: BlockMap | Non
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     m, s = traces
-    chosen = tiles.choose(D, q.device.type, q.element_size(), forward=forward, captured_grads=bool(grad_slots),
+    # (a mod's captured tensors can need more shared memory than the tiles were chosen for: the
+    # launch retries with fewer stages, runtime/launch.py's LaunchPlan._fitting)
+    chosen = tiles.choose(D, q.device.type, q.element_size(), forward=forward,
                           block_map_size=block_map.block_size if block_map is not None else None)
     kernel = kernel_for("fwd", m, s, q.dtype, q.device)
     if block_map is None:

@@ -152,17 +152,13 @@ class Tiles:
 
 
 def choose(head_dim: int, device_type: str, element_size: int, *, block_map_size=None,
-           forward: TileConfig | None = None, captured_grads: bool = False) -> Tiles:
+           forward: TileConfig | None = None) -> Tiles:
     """The tiles of a problem: `forward` (an autotuned choice) or the default for the head dim,
     the backward's, and the block map's granularity: the caller's map's (`block_map_size`),
     else the forward kernel's own tiles, which skip the most (the backward's larger tiles read
     a coarsened copy)."""
     forward = forward or forward_config(head_dim, device_type)
     backward = backward_config(head_dim, device_type, element_size)
-    if captured_grads and device_type == "cuda" and backward.dq.num_stages > 2:
-        # the dQ kernel's reductions of captured tensors' gradients need shared memory of their
-        # own: 128×64 tiles at D=128 with three stages asked for 241 KiB on an H100 (227 there)
-        backward = backward._replace(dq=backward.dq._replace(num_stages=2))
     for config in (forward, *backward):
         check_block_size((config.block_m, config.block_n), "kernel tile")
     sparse = (forward.block_m, forward.block_n) if block_map_size is None else check_block_size(
