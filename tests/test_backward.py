@@ -180,3 +180,20 @@ def test_gradients_where_a_tensor_cannot_have_a_descriptor(case, descriptor_call
     _check(inputs, d_out)
     # the dQ kernel asked for descriptors and fell back to pointers
     assert descriptor_calls == [False]
+
+
+@pytest.mark.parametrize("score_mod", [
+    lambda s, b, h, q, kv: torch.sqrt(torch.abs(s)),
+    lambda s, b, h, q, kv: torch.log(torch.abs(s)),
+], ids=["sqrt|s|", "log|s|"])
+def test_a_score_mod_with_an_infinite_derivative_at_zero_keeps_gradients_finite(score_mod):
+    # found by a hunt over user-style mods: past ragged lengths the kernels' scores are 0 with
+    # p = 0, where d(score_mod)/d(score) is infinite; 0·inf gave NaN in dq and dk
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64, requires_grad=True) for n in (37, 100, 100))
+    out = maskc.compiled_attention(q, k, v, score_mod=score_mod)
+    want = attention_reference(q, k, v, score_mod=score_mod)[0]
+    d_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for got, ref in zip(torch.autograd.grad(out, (q, k, v), d_out), torch.autograd.grad(want, (q, k, v), d_out)):
+        assert got.isfinite().all()
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-8)
