@@ -213,13 +213,15 @@ def failed(key: str, error: BaseException, compiling: bool, problem) -> None:
 def _failed(problem, key: str) -> bool:
     """Whether the Gluon kernel `key` failed in this process, or did not fit for this problem's
     mods, head dim and dtype (`failed`)."""
-    return key in _failures or _size_key(problem, key) in _misfits
+    # (every call asks: the key is built only once something did not fit)
+    return key in _failures or (bool(_misfits) and _size_key(problem, key) in _misfits)
 
 
 def _size_key(problem, key: str) -> tuple:
-    # What a Gluon kernel's shared memory and registers depend on: the mods' code (the file of
-    # the problem's Triton forward is named by it), the head dims and the dtype; not the lengths.
-    return key, problem.forward_kernel.path.name, problem.D, problem.Dv, problem.dtype
+    # What a Gluon kernel's shared memory and registers depend on: the mods' code (the text of
+    # the problem's Triton forward is printed from it; its file's name can change when the file
+    # is written again), the head dims and the dtype; not the lengths.
+    return key, problem.forward_kernel.source, problem.D, problem.Dv, problem.dtype
 
 
 def descriptors(q, k, v, out):
