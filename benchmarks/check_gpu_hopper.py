@@ -44,10 +44,27 @@ def late_keys(score, b, h, q_idx, kv_idx):
     return score + torch.where(kv_idx >= 40, 0.0, float("-inf"))
 
 
+def float_literals_rounded(b, h, q_idx, kv_idx):
+    # index arithmetic with float literals, rounded and compared: read as the rationals they spell
+    return (((q_idx - kv_idx) * 0.1).int() >= 0) & (torch.floor(kv_idx / 3.0) <= q_idx * 0.5 + 40)
+
+
+def narrow_casts(score, b, h, q_idx, kv_idx):
+    # rounded to bfloat16 and float16 inside the mod (the bfloat16 rounding by its bits)
+    return score.to(torch.bfloat16).to(torch.float32) + (score * 0.5).half()
+
+
 def cases(Lq, Lkv, H):
     docs = torch.randint(0, 4, (max(Lq, Lkv),), device="cuda").sort().values
     table = torch.randn(H, 2 * max(Lq, Lkv) - 1, device="cuda")
+    distance = torch.randn(2 * max(Lq, Lkv) - 1, device="cuda")
+
+    def from_the_end(score, b, h, q_idx, kv_idx):
+        return score + distance[q_idx - kv_idx]  # a negative index counts from the end, as torch's
+
     return [
+        ("float literals rounded", float_literals_rounded, narrow_casts),
+        ("negative index", masks.causal, from_the_end),
         ("no mask", None, None),
         ("causal", masks.causal, None),
         ("sliding 100", masks.sliding_window(100), None),

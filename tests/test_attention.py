@@ -387,6 +387,8 @@ def _table_zero(b, h, q_idx, kv_idx):
 
 
 def _read_with_zero_outside(table, i):
+    """table[i] as torch reads it (a negative i from the end), and 0 where torch would raise."""
+    i = torch.where(i < 0, i + len(table), i)
     inside = (i >= 0) & (i < len(table))
     return torch.where(inside, table[i.clamp(0, len(table) - 1)], torch.zeros((), dtype=table.dtype))
 
@@ -399,7 +401,7 @@ def test_out_of_range_captured_index_reads_zero(mask, kept_outside):
     d = torch.arange(Lq).view(-1, 1) - torch.arange(Lkv).view(1, -1)
     value = _read_with_zero_outside(TABLE, d + 2)
     keep = value > 0 if mask is _table_positive else value == 0
-    assert bool(keep[(d + 2 < 0) | (d + 2 >= len(TABLE))].all()) == kept_outside
+    assert bool(keep[(d + 2 < -len(TABLE)) | (d + 2 >= len(TABLE))].all()) == kept_outside
     # the dense evaluator of the analysis documents the same semantics
     zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
     env = symbols_env(zero, zero, torch.arange(Lq).view(1, 1, -1, 1), torch.arange(Lkv).view(1, 1, 1, -1))

@@ -228,18 +228,21 @@ def test_document_boundaries_are_decided_without_dense_work(causal, monkeypatch)
 
 @pytest.mark.parametrize("block_size", [(16, 32), (48, 16), (5, 3)])
 def test_out_of_range_table_index_reads_zero(block_size):
-    table = torch.tensor([1, 0, 1, 1])  # distance q - kv in [-1, 2] only; elsewhere the kernel reads 0
+    # distance q - kv in [-1, 2] reads the table, [-5, -2] too (from the end, as torch's negative
+    # indices); elsewhere the kernel reads 0
+    table = torch.tensor([1, 0, 1, 1])
 
     def short_table(b, h, q_idx, kv_idx):
         return table[q_idx - kv_idx + 1] != 0
 
     mm = maskc.mask_mod(short_table)
     q_len, kv_len = 100, 90
-    # dense_mask runs the Python function, where torch would raise or wrap around; evaluate the
-    # traced expression instead, with the kernel's reading of 0 out of range.
+    # dense_mask runs the Python function, where torch would raise; evaluate the traced expression
+    # instead, with the kernel's reading of 0 out of range.
     qi, ki = torch.arange(q_len).view(-1, 1), torch.arange(kv_len).view(1, -1)
     keep = evaluate(mm.expr, symbols_env(torch.tensor(0), torch.tensor(0), qi, ki), mm.traced.tensors, {})
     index = qi - ki + 1
+    index = torch.where(index < 0, index + 4, index)
     expected = (index >= 0) & (index < 4) & (table[index.clamp(0, 3)] != 0)
     assert torch.equal(keep, expected)
     want = dense_tiles(expected.view(1, 1, q_len, kv_len), block_size)

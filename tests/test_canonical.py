@@ -76,7 +76,11 @@ def test_forms():
     assert canonicalize(Q_IDX > KV_IDX) == sympy.Ge(Q_IDX - KV_IDX - 1, 0)  # integer strict -> non-strict
     assert canonicalize(KV_IDX < Q_IDX) == sympy.Ge(Q_IDX - KV_IDX - 1, 0)
     half = sympy.Rational(1, 2)
-    assert canonicalize(Q_IDX * half > KV_IDX) == sympy.Gt(Q_IDX / 2 - KV_IDX, 0)  # real: stays strict
+    # rational coefficients are cleared: the relation is decided in integers (q/2 - kv - 1/2
+    # rounds to +-1e-17 in floats), then made non-strict
+    assert canonicalize(Q_IDX * half > KV_IDX) == sympy.Ge(Q_IDX - 2 * KV_IDX - 1, 0)
+    score = sympy.Symbol("score", real=True)
+    assert canonicalize(score * half > KV_IDX) == sympy.Gt(score / 2 - KV_IDX, 0)  # real: stays strict
     eq = canonicalize(sympy.Eq(Q_IDX, KV_IDX + 1))
     assert eq == canonicalize(sympy.Eq(KV_IDX + 1, Q_IDX))
     assert not eq.lhs.could_extract_minus_sign() and eq.rhs == 0

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 import maskc
 from maskc.testing import attention_reference
 
-KINDS = ("alibi", "relative", "relative_per_head", "relative_clamped", "pair_table", "softcap_per_head",
-         "row_and_column", "scalar")
+KINDS = ("alibi", "relative", "relative_per_head", "relative_clamped", "relative_from_the_end", "pair_table",
+         "softcap_per_head", "row_and_column", "scalar")
 
 
 def _learnable(kind: str, H: int, Lq: int, Lkv: int, gen):
@@ -25,6 +25,9 @@ def _learnable(kind: str, H: int, Lq: int, Lkv: int, gen):
     if kind == "relative_per_head":
         tensors = (torch.randn(H, Lq + Lkv - 1, generator=gen),)
         return tensors, lambda t: lambda score, b, h, q_idx, kv_idx: score + t[0][h, q_idx - kv_idx + Lkv - 1]
+    if kind == "relative_from_the_end":  # negative distances count from the table's end, as torch indexes
+        tensors = (torch.randn(Lq + Lkv - 1, generator=gen),)
+        return tensors, lambda t: lambda score, b, h, q_idx, kv_idx: score + t[0][q_idx - kv_idx]
     if kind == "relative_clamped":  # distances past ±5 share the table's ends (T5-style buckets)
         tensors = (torch.randn(H, 11, generator=gen),)
         return tensors, lambda t: lambda score, b, h, q_idx, kv_idx: score + t[0][
@@ -51,8 +54,9 @@ def cases(draw):
     dtype = draw(st.sampled_from((torch.float32, torch.float16, torch.bfloat16)))
     mask = draw(st.sampled_from((None, maskc.masks.causal, maskc.masks.sliding_window(9))))
     kind = draw(st.sampled_from(KINDS))
+    table_dtype = draw(st.sampled_from((torch.float32, torch.float64)))  # a float64 table beside narrower q
     seed = draw(st.integers(0, 2**31))
-    return B, H, h_kv, Lq, Lkv, D, dtype, mask, kind, seed
+    return B, H, h_kv, Lq, Lkv, D, dtype, mask, kind, table_dtype, seed
 
 
 def _grads(q, k, v, tensors, mod, mask, d_out, **kw):
@@ -64,10 +68,10 @@ def _grads(q, k, v, tensors, mod, mask, d_out, **kw):
 @settings(deadline=None, max_examples=20, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_captured_gradients_match_float64_autograd(case):
-    B, H, h_kv, Lq, Lkv, D, dtype, mask, kind, seed = case
+    B, H, h_kv, Lq, Lkv, D, dtype, mask, kind, table_dtype, seed = case
     gen = torch.Generator().manual_seed(seed)
     tensors, mod = _learnable(kind, H, Lq, Lkv, gen)
-    tensors = tuple(t.requires_grad_() for t in tensors)
+    tensors = tuple(t.to(table_dtype).requires_grad_() for t in tensors)
     q, k, v = (torch.randn(shape, generator=gen).to(dtype).requires_grad_()
                for shape in ((B, H, Lq, D), (B, h_kv, Lkv, D), (B, h_kv, Lkv, D)))
     d_out = torch.randn(B, H, Lq, D, generator=gen).to(dtype)
@@ -107,6 +111,22 @@ def test_gradcheck_in_float64(kind):
         return maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal, score_mod=maskc.score_mod(mod(tensors)))
 
     assert torch.autograd.gradcheck(attend, tensors, atol=1e-6, rtol=1e-5, fast_mode=True)
+
+
+@pytest.mark.parametrize("Lq", [40, 2], ids=["attention", "decoding"])
+def test_a_float64_table_beside_float32_inputs_is_read_in_float32(Lq):
+    """A float64 score reached the float32 accumulators, which Triton refused with an internal
+    message ("expected accumulator dtype fp32, got fp64")."""
+    table = torch.randn(130, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+    def pair_bias(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx] * table[kv_idx]
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, L, 16, generator=gen) for L in (Lq, 40, 40))
+    out = maskc.compiled_attention(q, k, v, score_mod=pair_bias)
+    ref, _ = attention_reference(q, k, v, score_mod=pair_bias)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_captured_gradients_are_deterministic():

@@ -378,7 +378,7 @@ def _arrays(fn):
 def _python_env(p0):
     """Names the printed text reads, as numpy arrays, and the helpers and tl functions it calls,
     as what they mean in Python."""
-    q, kv = np.arange(-2, 11).reshape(-1, 1), np.arange(0, 9).reshape(1, -1)
+    q, kv = np.arange(0, 13).reshape(-1, 1), np.arange(0, 9).reshape(1, -1)  # positions are nonnegative
 
     def floordiv(a, b):
         return a // b
@@ -448,15 +448,22 @@ def test_printed_float_expressions_evaluate_as_the_tree(expr, p0, printer_block)
      "_widen(tl.load(T0 + q_idx * T0_stride0, mask=((q_idx >= 0) & (q_idx < T0_size0)) != 0, other=0))"),
     (LoadBool(2, KV_IDX),
      "_widen(tl.load(T2 + kv_idx * T2_stride0, mask=((kv_idx >= 0) & (kv_idx < T2_size0)) != 0, other=0))"),
-    (LoadFloat(1, H, Q_IDX - KV_IDX),
-     "_widen(tl.load(T1 + off_h * T1_stride0 + (q_idx - kv_idx) * T1_stride1, "
-     "mask=((off_h >= 0) & (off_h < T1_size0) & (q_idx - kv_idx >= 0) & (q_idx - kv_idx < T1_size1)) != 0, "
-     "other=0))"),
+    (LoadFloat(1, H, Q_IDX - KV_IDX),  # an index that can be negative counts from the end, as torch's
+     "_widen(tl.load(T1 + off_h * T1_stride0 + tl.where(q_idx - kv_idx < 0, q_idx - kv_idx + T1_size1, "
+     "q_idx - kv_idx) * T1_stride1, mask=((off_h >= 0) & (off_h < T1_size0) & (tl.where(q_idx - kv_idx < 0, "
+     "q_idx - kv_idx + T1_size1, q_idx - kv_idx) >= 0) & (tl.where(q_idx - kv_idx < 0, q_idx - kv_idx + T1_size1, "
+     "q_idx - kv_idx) < T1_size1)) != 0, other=0))"),
     (LoadInt(0), "_widen(tl.load(T0))"),
 ], ids=str)
 def test_loads_are_masked_to_the_tensor_and_widened(expr, text):
     # _widen (templates/_prelude.py.jinja): float16/bfloat16 become float32, small integers int32
     assert show(expr) == text
+
+
+def test_a_call_without_negative_indices_prints_no_wrap():
+    expr = LoadFloat(1, H, Q_IDX - KV_IDX)
+    assert "< 0" in show(expr)
+    assert "< 0" not in TritonPrinter(negative_indices=False).doprint(expr)
 
 
 def test_every_indexed_load_has_mask_and_other():

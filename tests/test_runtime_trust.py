@@ -383,3 +383,23 @@ def test_a_kernel_whose_shared_memory_does_not_fit_runs_with_fewer_stages():
     plan.fn, plan._options = threads, dict(num_warps=8, num_stages=3)  # fewer stages would not help
     with pytest.raises(OutOfResources):
         plan._fitting([])
+
+
+def test_negative_indices_are_wrapped_where_the_call_can_have_them():
+    """A negative index counts from the end, as torch's; the select that costs is printed only
+    where the call's positions can make an index negative (a relative table read at
+    q_idx - kv_idx + 69 is nonnegative with 70 keys, not with 90)."""
+    from maskc.runtime.plan import PLANS
+
+    table = _randn(2, 139, seed=5)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 69]
+
+    for Lkv, negative in ((70, False), (90, True)):
+        PLANS.clear()
+        q, k, v = _qkv(Lq=70, Lkv=Lkv, seed=Lkv)
+        _check(q, k, v, score_mod=relative)
+        (problem,) = PLANS._items.values()
+        assert problem.negative_indices is negative
+        assert ("< 0, " in problem.forward_kernel.source) is negative

@@ -331,7 +331,7 @@ TRACEABLE = [
     (lambda b, h, q_idx, kv_idx: ((q_idx >= kv_idx) * 2 + (kv_idx < 3)) >= 2, sympy.GreaterThan),
     (lambda b, h, q_idx, kv_idx: IDS[q_idx] - IDS[kv_idx] >= -1, LoadInt),
     (lambda b, h, q_idx, kv_idx: torch.logical_and(q_idx >= kv_idx, torch.logical_not(kv_idx == 2)), sympy.And),
-    (lambda b, h, q_idx, kv_idx: q_idx / 2 > kv_idx - h, sympy.StrictGreaterThan),
+    (lambda b, h, q_idx, kv_idx: q_idx / 2 > kv_idx - h, sympy.GreaterThan),  # cleared to integers: q - 2kv + 2h - 1 >= 0
 ]
 
 

@@ -32,6 +32,9 @@ BIAS_3D = torch.randn(2, 2, N, generator=torch.Generator().manual_seed(1))
 BIAS_4D = torch.randn(1, 2, 3, N, generator=torch.Generator().manual_seed(2))
 TABLE = torch.tensor([[0, 5], [1, 4], [2, 3], [3, 2], [4, 1], [5, 0]])
 PERIOD = 3  # a captured int: a runtime parameter
+# read at distances q_idx - kv_idx of the 40-token end-to-end inputs, negative ones from the end
+KEEP_BY_DISTANCE = torch.rand(79, generator=torch.Generator().manual_seed(3)) > 0.3
+BIAS_BY_DISTANCE = torch.randn(79, generator=torch.Generator().manual_seed(4))
 
 
 # -- comparing a trace with the eager function ----------------------------------------------
@@ -121,8 +124,13 @@ def test_an_unknown_tensor_method_names_itself():
     lambda score, b, h, q_idx, kv_idx: torch.div(q_idx - kv_idx, 3, rounding_mode="floor") + torch.div(score, 3),
     lambda score, b, h, q_idx, kv_idx: torch.fmod(q_idx - kv_idx, 4) + torch.remainder(q_idx - kv_idx, 4) + score,
     lambda s, b, h, q, kv: torch.clamp(s, min=-2) + torch.clip(s, max=1.5) + torch.maximum(s, q / 4),
+    # a 0-d captured tensor is a load with no free symbols, which sympy's Max took for a number
+    # it could compare ("LoadFloat(0) is not comparable")
+    lambda s, b, h, q, kv: torch.maximum(s, torch.tensor(-0.5)) + torch.minimum(s, SCALE_T) + s.clamp(max=SCALE_T)
+    + torch.maximum(s, torch.full_like(s, 0.1).half()),  # a rounded constant is no number sympy can compare
 ], ids=["captured_operator", "captured_method", "special", "functional", "gelu", "softplus", "exp2_trig_sign",
-        "square_pow_erf", "like", "zeros_like_tensor", "div_trunc", "div_floor", "fmod_remainder", "clamp"])
+        "square_pow_erf", "like", "zeros_like_tensor", "div_trunc", "div_floor", "fmod_remainder", "clamp",
+        "maximum_captured_scalar"])
 def test_torch_functions_trace_to_what_torch_computes(fn):
     assert_score_traces(fn)
 
@@ -536,7 +544,23 @@ def _bias_tuple(score, b, h, q_idx, kv_idx):
     (_causal, lambda score, b, h, q_idx, kv_idx: F.gelu(score) + score.clamp(-1, 1) + (q_idx - kv_idx).float() / 16,
      None),
     (lambda b, h, q_idx, kv_idx: torch.floor(q_idx / 8) >= kv_idx // 8, _bias_chain, _bias_tuple),
-], ids=["morton", "where_eq", "and_masks_shift", "gelu_clamp", "floor_bias_chain"])
+    # float literals in index arithmetic that is then rounded or compared: sympy distributes the
+    # literal (0.1*q_idx - 0.1*kv_idx), whose float32 value fell on the other side of an integer
+    # at every multiple of 10 (error 0.16 before maskc read literals as the rationals they spell)
+    (lambda b, h, q_idx, kv_idx: (((q_idx - kv_idx) * 0.1).int() == 0) | ((kv_idx - q_idx) * 0.1 >= 2.0),
+     lambda s, b, h, q, kv: s + torch.trunc((q - kv) / 7.0) + torch.floor((q - kv) / 3.0) + torch.ceil(kv / 5.0),
+     None),
+    (None, lambda s, b, h, q, kv: s + torch.fmod((q - kv).float(), 2.5) + torch.remainder((q - kv).float(), 0.75)
+     + torch.round((q - kv) * 0.05) + (kv * 0.1).long() % 3, None),
+    # negative indices count from the end, as torch's do (maskc read 0 there: error 1.0)
+    (lambda b, h, q_idx, kv_idx: KEEP_BY_DISTANCE[q_idx - kv_idx], lambda s, b, h, q, kv: s + BIAS_BY_DISTANCE[kv - q],
+     None),
+    # casts to bfloat16 and float16 round (they were dropped: error 4e-3); bfloat16 holds every
+    # other integer past 256, so the mask keeps some kv_idx = q_idx + 1
+    (lambda b, h, q_idx, kv_idx: (q_idx + 250).bfloat16() >= (kv_idx + 250).bfloat16(),
+     lambda s, b, h, q, kv: s.to(torch.bfloat16).to(torch.float32) * 2 + (s * 3).half(), None),
+], ids=["morton", "where_eq", "and_masks_shift", "gelu_clamp", "floor_bias_chain", "float_literal_rounded",
+        "float_literal_remainder", "negative_index", "narrow_float_casts"])
 def test_end_to_end(mask_mod, score_mod, reference_score_mod):
     q, k, v = _attention_inputs()
     out = maskc.compiled_attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod)

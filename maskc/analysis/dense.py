@@ -3,8 +3,9 @@
 This is the dense fallback of the block-map analysis (and of reclassifying tiles the
 interval analysis could not decide). Python and torch semantics throughout: `//` floors,
 `%` takes the divisor's sign; integer operations on int64 (shifts as torch's: counts past
-the width give 0 or the sign); Trunc rounds toward zero; sign(0) = 0; a captured-tensor
-index out of range reads 0 (False for bool tensors), exactly as the generated kernel does,
+the width give 0 or the sign); Trunc rounds toward zero; sign(0) = 0; a negative
+captured-tensor index counts from the end (torch's t[-1]) and one still out of range reads 0
+(False for bool tensors), exactly as the generated kernel does,
 and an element is read as int64 or float64, so that arithmetic on it cannot wrap (the kernel
 reads narrow types as int32 and float32).
 
@@ -173,6 +174,12 @@ class _Evaluator:
     def _erf(self, e):
         return torch.erf(self.run(e.args[0]).to(torch.float64))
 
+    def _Float16(self, e):
+        return self.run(e.args[0]).to(torch.float32).to(torch.float16).to(torch.float64)
+
+    def _BFloat16(self, e):
+        return self.run(e.args[0]).to(torch.float32).to(torch.bfloat16).to(torch.float64)
+
     def _BitAnd(self, e):
         return torch.bitwise_and(*self._integers(e))
 
@@ -255,6 +262,7 @@ class _Evaluator:
         inside = True
         clamped = []
         for dim, i in enumerate(torch.broadcast_tensors(*index)):
+            i = torch.where(i < 0, i + tensor.shape[dim], i)  # from the end, as torch indexes
             inside = inside & (i >= 0) & (i < tensor.shape[dim])
             clamped.append(i.clamp(0, tensor.shape[dim] - 1).to(torch.long))
         value = self._widened(tensor.to(self.device)[tuple(clamped)])

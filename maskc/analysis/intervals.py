@@ -25,7 +25,8 @@ import sympy
 import torch
 
 from maskc.analysis.classify import EMPTY, FULL, PARTIAL, _Undecidable, classify_grid
-from maskc.trace.symbols import INDEX_SYMBOLS, LoadBool, is_load
+from maskc.trace import dag
+from maskc.trace.symbols import INDEX_SYMBOLS, LOADS, LoadBool, is_load
 
 
 @dataclass
@@ -299,6 +300,12 @@ class IntervalEvaluator:
     def _erf(self, e):
         return self._increasing(e.args[0], torch.erf)
 
+    def _Float16(self, e):  # nondecreasing: the ends still map to the ends
+        return self._increasing(e.args[0], lambda x: x.to(torch.float32).to(torch.float16).to(x.dtype))
+
+    def _BFloat16(self, e):
+        return self._increasing(e.args[0], lambda x: x.to(torch.float32).to(torch.bfloat16).to(x.dtype))
+
     def _sin(self, e):
         return self._wave(e, torch.sin, math.pi / 2)
 
@@ -407,7 +414,8 @@ class IntervalEvaluator:
         index = [self._integer(self._run(i), e) for i in e.args[1:]]
         lo, hi = self.summaries.range(slot, index)
         last = index[-1] if index else None
-        tight = last is None or (last.tight and last.dense and all(bool((i.lo == i.hi).all()) for i in index[:-1]))
+        tight = last is None or (last.tight and last.dense and all(bool((i.lo == i.hi).all()) for i in index[:-1])
+                                 and not any(bool((i.lo < 0).any()) for i in index))  # wrapped: see range
         return Interval(lo, hi, tight, isinstance(e, LoadBool), _vars(index))
 
 
@@ -536,6 +544,19 @@ class TensorSummaries:
         if t.dim() == 0:
             v = mins[0, 0, 0].to(dtype)
             return v, v
+        # a negative index counts from the end (torch's t[-1]): where one is possible, the
+        # whole tensor's range (and 0, for indices still out of range)
+        negative = torch.zeros((), dtype=torch.bool, device=t.device)
+        for iv in index:
+            negative = negative | (iv.lo < 0)
+        if bool(negative.any()):
+            whole_lo, whole_hi = self._whole(slot)
+            lo, hi = self._range(slot, index, mins, maxs, dtype)
+            return torch.where(negative, whole_lo, lo), torch.where(negative, whole_hi, hi)
+        return self._range(slot, index, mins, maxs, dtype)
+
+    def _range(self, slot, index, mins, maxs, dtype):
+        t = self.tensors[slot]
         n = t.shape[-1]
         inside = torch.tensor(True, device=t.device)
         row = torch.tensor(0, device=t.device)
@@ -567,3 +588,28 @@ class TensorSummaries:
         flat = t.reshape(-1).to(zero.dtype)
         return torch.minimum(flat.min(), zero), torch.maximum(flat.max(), zero)
 
+
+def doubtful_indices(exprs) -> list:
+    """The captured-tensor indices in `exprs` that sympy cannot prove nonnegative."""
+    return [i for e in exprs if e is not None for load in dag.atoms(e, *LOADS) for i in load.args[1:]
+            if not i.is_nonnegative]
+
+
+def indices_nonnegative(exprs, tensors, values: dict, extents: dict, device) -> bool:
+    """Whether every captured-tensor index in `exprs` is nonnegative at every position, each
+    index symbol ranging over [0, extents[symbol]) and parameters at `values`: then a kernel
+    for these positions needs no wrap of negative indices (t[-1] as the last element). An
+    index sympy proves nonnegative is not asked; one whose range is undecided counts as
+    possibly negative."""
+    doubtful = doubtful_indices(exprs)
+    if not doubtful:
+        return True
+    frame = {}
+    for symbol, n in extents.items():
+        lo, hi = torch.tensor(0, device=device), torch.tensor(n - 1, device=device)
+        frame[symbol] = Interval(lo, hi, True, True, frozenset([symbol]))
+    evaluator = IntervalEvaluator(frame, values, TensorSummaries(tensors, device), device)
+    try:
+        return all(bool((evaluator.run(i).lo >= 0).all()) for i in doubtful)
+    except (_Undecidable, KeyError):  # KeyError: an index that reads the score, which has no range here
+        return False

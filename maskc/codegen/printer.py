@@ -15,8 +15,8 @@ text of random expressions as Python and compares it with maskc's dense evaluati
   nonnegative and the divisor a positive literal, the plain operators agree with Python
   and are printed; otherwise the helpers `_floordiv` / `_mod` / `_ceildiv` of the template.
 - Integer-valued true division stays true division (`/` of a Rational prints a float).
-- Captured-tensor loads are masked to the tensor's bounds (an index out of range reads 0)
-  and widened where they are read, by the template's `_widen`: float16/bfloat16 to float32,
+- Captured-tensor loads count a negative index from the end (torch's t[-1]), are masked to
+  the tensor's bounds (an index still out of range reads 0) and widened where they are read, by the template's `_widen`: float16/bfloat16 to float32,
   int8/int16/uint8 (and bool) to int32, so that no arithmetic runs in a narrow type.
 - Positions meet floats in float: a sum of ±q_idx, ±kv_idx and integer literals inside a
   float expression (ALiBi's `(kv_idx - q_idx) * slope`) is printed over `q_idx_f`/`kv_idx_f`,
@@ -29,6 +29,7 @@ text of random expressions as Python and compares it with maskc's dense evaluati
 - torch's integer operations: `&`, `|`, `^` as Triton's; shifts through `_lshift` /
   `_rshift`, in int64 with torch's rule for shift counts past the width (0, or the sign);
   Trunc (`.long()`) converts to int64, rounding toward zero.
+- A float cast to float16 or bfloat16 inside a mod is rounded and read back (`_rounded`).
 - sign(0) = 0 (torch.sign); Heaviside(x, h0) takes the value h0 at 0 (sympy's argument).
   DiracDelta and Derivative are refused with the reason: maskc differentiates score mods
   itself (render.score_derivative), where steps have derivative 0 as in torch.
@@ -147,9 +148,11 @@ class TritonPrinter(CodePrinter):
     language = "Triton"
     _default_settings = {**CodePrinter._default_settings, "strict": True, "human": True}
 
-    def __init__(self):
+    def __init__(self, negative_indices: bool = True):
         super().__init__()
         self.helpers: set[str] = set()
+        # False: the caller knows every captured-tensor index is nonnegative where the kernel runs
+        self.negative_indices = negative_indices
         self._reset(counts=None, uses={}, prefix="")
 
     def _reset(self, counts, uses, prefix):
@@ -363,7 +366,10 @@ class TritonPrinter(CodePrinter):
     def _print_Mod(self, e):
         a, m = e.args
         if not (a.is_integer and m.is_integer):
-            floor = _atom(f"tl.floor({self._binary(a, '/', m, _Prec.MUL).text})")
+            if m.is_Rational:  # exact: floor of a rational quotient prints integer division
+                floor = self._print_floor(sympy.floor(a / m, evaluate=False))
+            else:
+                floor = _atom(f"tl.floor({self._binary(a, '/', m, _Prec.MUL).text})")
             return _join([self._text(a), _join([self._text(m), floor], "*", _Prec.MUL)], "-", _Prec.ADD)
         if a.is_nonnegative and m.is_Integer and m > 0:
             return self._binary(a, "%", m, _Prec.MUL)
@@ -401,6 +407,12 @@ class TritonPrinter(CodePrinter):
 
     def _print_log(self, e):
         return _atom(f"tl.log({self._float(e.args[0]).text})")
+
+    def _print_Float16(self, e):
+        return self._helper("_rounded", self._float(e.args[0]).text, "tl.float16")
+
+    def _print_BFloat16(self, e):
+        return self._helper("_rounded", self._float(e.args[0]).text, "tl.bfloat16")
 
     def _print_tanh(self, e):
         return self._helper("_tanh", self._float(e.args[0]).text)
@@ -500,31 +512,40 @@ class TritonPrinter(CodePrinter):
     # -- captured tensors ---------------------------------------------------------------------
     def _print_load(self, e):
         slot = int(e.args[0])
-        index = [self._text(i) for i in e.args[1:]]
-        name = f"T{slot}"
-        if not index:
-            return self._helper("_widen", f"tl.load({name})")
-        offset = " + ".join(f"{i.operand(_Prec.MUL)} * {name}_stride{d}" for d, i in enumerate(index))
-        bounds = [i.operand(_Prec.COMPARE + 1) for i in index]
-        inside = " & ".join(f"({i} >= 0) & ({i} < {name}_size{d})" for d, i in enumerate(bounds))
+        if len(e.args) == 1:
+            return self._helper("_widen", f"tl.load(T{slot})")
+        offset, inside = self._element(e, f"T{slot}")
         # `!= 0`: Triton's interpreter gives `scalar_bool & block_bool` a dtype tl.load refuses
-        return self._helper("_widen", f"tl.load({name} + {offset}, mask=({inside}) != 0, other=0)")
+        return self._helper("_widen", f"tl.load(T{slot} + {offset}, mask=({inside}) != 0, other=0)")
 
     _print_LoadInt = _print_LoadFloat = _print_LoadBool = _print_load
 
-    def address(self, load, name: str) -> tuple[str, str]:
+    def _element(self, load, name: str) -> tuple[str, str]:
         """(offset, inside) of captured tensor element `load` in a tensor `name` with strides
-        `{name}_stride{d}` and the captured tensor's sizes: where a kernel accumulates the
-        gradient of that element. Inline text (no statements), for any scope."""
+        `{name}_stride{d}` and the captured tensor's sizes. An index that can be negative counts
+        from the end, as torch's indexing does (t[-1] is the last element; an index that neither
+        sympy nor the caller (`negative_indices`) proves nonnegative, like q_idx - kv_idx, pays a
+        select for it); one still out of range reads 0."""
         slot = int(load.args[0])
-        self._reset(counts=None, uses={}, prefix="")
-        index = [self._text(i) for i in load.args[1:]]
-        if not index:
-            return "0", "1"
+        index = []
+        for d, i in enumerate(load.args[1:]):
+            text = self._text(i)
+            if self.negative_indices and not i.is_nonnegative:
+                at = text.operand(_Prec.COMPARE + 1)
+                text = _atom(f"tl.where({at} < 0, {text.operand(_Prec.ADD)} + T{slot}_size{d}, {text.text})")
+            index.append(text)
         offset = " + ".join(f"{i.operand(_Prec.MUL)} * {name}_stride{d}" for d, i in enumerate(index))
         inside = " & ".join(f"({i.operand(_Prec.COMPARE + 1)} >= 0) & ({i.operand(_Prec.COMPARE + 1)} < T{slot}_size{d})"
                             for d, i in enumerate(index))
         return offset, inside
+
+    def address(self, load, name: str) -> tuple[str, str]:
+        """(offset, inside) of captured tensor element `load` (`_element`): where a kernel
+        accumulates the gradient of that element. Inline text (no statements), for any scope."""
+        self._reset(counts=None, uses={}, prefix="")
+        if len(load.args) == 1:
+            return "0", "1"
+        return self._element(load, name)
 
 
 def _position_sum(e) -> bool:

@@ -18,7 +18,7 @@ from maskc.codegen.printer import TritonPrinter, describe, tensor_args
 from maskc.codegen.separable import separate
 from maskc.codegen.source import KernelSource
 from maskc.errors import MaskcError
-from maskc.trace.symbols import INTEGER_OPS, KV_IDX, Q_IDX, SCORE, LoadFloat
+from maskc.trace.symbols import INTEGER_OPS, KV_IDX, Q_IDX, ROUNDED, SCORE, LoadFloat
 
 TEMPLATES = {"fwd": "attention_fwd.py.jinja", "bwd": "attention_bwd.py.jinja", "dec": "attention_decode.py.jinja",
              "hfwd": "attention_fwd_hopper.py.jinja", "hbwd": "attention_bwd_hopper.py.jinja"}
@@ -102,7 +102,8 @@ def _hooks(spec: KernelSource) -> dict:
     """The Triton text the template prints at its named hooks: each `*_expr` with the
     `*_statements` that run before it, and the printer's `helpers` that the text calls."""
     hooks = {}
-    printer = TritonPrinter()  # each block has its own names; `helpers` collects over all three
+    # each block has its own names; `helpers` collects over all three
+    printer = TritonPrinter(negative_indices=spec.negative_indices)
     mask = sympy.true if spec.mask_expr is None else spec.mask_expr
     _name(hooks, "mask", printer.block([mask], "_mask")[0])
     score_grad, loads = None, []
@@ -160,7 +161,7 @@ def _name(hooks: dict, hook: str, printed) -> None:
 
 
 # -- d(score_mod)/d(score) for the backward --------------------------------------------------
-_SMOOTH = (sympy.exp, sympy.log, sympy.tanh, sympy.sin, sympy.cos, sympy.erf)
+_SMOOTH = (sympy.exp, sympy.log, sympy.tanh, sympy.sin, sympy.cos, sympy.erf, *ROUNDED)  # ROUNDED: slope 1
 # An integer-valued operation of score: its derivative is 0 almost everywhere (torch says 0 for
 # floor), which is rarely what was meant. Indices of captured tensors are integers, so one
 # of these reaches any index that depends on score.

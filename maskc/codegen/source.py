@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import sympy
 
+from maskc.analysis.intervals import doubtful_indices
 from maskc.codegen.separable import separate
 from maskc.trace import dag
 from maskc.trace.symbols import is_load, param_symbol
@@ -40,21 +41,30 @@ class KernelSource:
     # The backward's captured float tensors whose gradients it accumulates (slots read by the
     # score mod); empty for every other kernel.
     grad_slots: tuple[int, ...] = ()
+    # Whether a captured-tensor index can be negative where the kernel runs, which then counts
+    # it from the end (torch's t[-1]) at the cost of a select per element; the runtime decides
+    # it from the call's positions (analysis.intervals.indices_nonnegative), and it is True
+    # where it cannot (decoding, paged caches, a kernel compiled ahead of any call).
+    negative_indices: bool = True
     mask_expr: sympy.Basic | None = field(default=None, compare=False, repr=False)
     score_expr: sympy.Basic | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, kind: str, mask: Traced | None, score: Traced | None, *, exact: bool,
-           grad_slots: tuple[int, ...] = ()) -> "KernelSource":
+           grad_slots: tuple[int, ...] = (), negative_indices: bool = True) -> "KernelSource":
         """The source of the `kind` kernel for traced mask and score; `exact` for float64 inputs;
-        `grad_slots` the captured tensors whose gradients a backward kernel computes."""
+        `grad_slots` the captured tensors whose gradients a backward kernel computes;
+        `negative_indices` False where no captured-tensor index can be negative."""
         mask_expr, score_expr, tensors, params = merge(mask, score)
         separable = separate(score_expr) if kind in ("fwd", "hfwd", "hbwd") and not exact else None
         split = separable is not None and (kind != "hbwd" or separable.coefficient == 1)
         return cls(kind=kind, mask_signature=mask.signature if mask else "",
                    score_signature=score.signature if score else "", tensor_ranks=tuple(t.dim() for t in tensors),
                    param_kinds=tuple("i" if isinstance(p.value, int) else "f" for p in params), split_score=split,
-                   grad_slots=tuple(grad_slots) if kind == "bwd" else (), mask_expr=mask_expr, score_expr=score_expr)
+                   grad_slots=tuple(grad_slots) if kind == "bwd" else (),
+                   # one file where no index is in doubt, whatever the caller knows
+                   negative_indices=negative_indices and bool(doubtful_indices((mask_expr, score_expr))),
+                   mask_expr=mask_expr, score_expr=score_expr)
 
     def digest(self, *, codegen_hash: str, maskc_version: str) -> str:
         """The hash of the text: these fields, the templates and codegen modules, and maskc's

@@ -130,7 +130,10 @@ class _Ring:
             score_traced = score.traced if score else None
             key = (step, qc, kc, mask.traced if mask else None, score_traced, q.shape, k_part.shape, v.shape[3],
                    q.dtype, q.device, scale, differentiable, tiles.override_key(),
-                   tuple(t.requires_grad for t in score_traced.tensors) if score_traced else ())
+                   tuple(t.requires_grad for t in score_traced.tensors) if score_traced else (),
+                   # in-place updates: a Problem holds float32 copies of float64 score tensors and
+                   # whether an index can be negative, both read from the values (plan.problem_of)
+                   tuple(x._version for t in (mask.traced if mask else None, score_traced) if t for x in t.tensors))
             problem = self.problems.get(key)
             if problem is None:
                 if len(self.problems) >= _PROBLEMS:  # traces that changed leave their Problems behind

@@ -22,7 +22,8 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
     Returns out [B, Hq, Lq, Dv], or (out, lse) with lse [B, Hq, Lq] in natural log (float32;
     float64 for float64 inputs, which exist for gradcheck and run slowly); both differentiable.
     Rows with no kept key give out = 0 and lse = -inf. CPU tensors run the same generated
-    kernel through Triton's interpreter. A captured tensor indexed out of its range reads 0.
+    kernel through Triton's interpreter. A negative index into a captured tensor counts from
+    its end (as torch's); one still out of range reads 0.
     A block_map must come from maskc.block_map() for this mask, its values and captured
     tensors, with tiles that are powers of two from 16 to 256 (any of them: the kernels read
     it at their own tiles); without mask_mod, the map's own mask runs (as FlexAttention takes

@@ -82,12 +82,14 @@ class _Interpreted:
 
 
 def kernel_for(kind: str, mask, score, dtype: torch.dtype, device: torch.device,
-               grad_slots: tuple[int, ...] = ()) -> CompiledKernel:
+               grad_slots: tuple[int, ...] = (), negative_indices: bool = True) -> CompiledKernel:
     """The `kind` (codegen.source.KINDS) kernel for traced mask and score, from memory, disk or
     rendering; a backward computing the gradients of the captured tensors `grad_slots` is a
-    file of its own. Tiles, head dims and dtypes (but float64's exact scores) are launch
-    values: they do not change the file."""
-    source = KernelSource.of(kind, mask, score, exact=dtype == torch.float64, grad_slots=grad_slots)
+    file of its own, and so is one for calls whose captured-tensor indices are all nonnegative
+    (`negative_indices` False: no wrap to pay for). Tiles, head dims and dtypes (but float64's
+    exact scores) are launch values: they do not change the file."""
+    source = KernelSource.of(kind, mask, score, exact=dtype == torch.float64, grad_slots=grad_slots,
+                             negative_indices=negative_indices)
     kernel = KERNELS.get(source)
     if kernel is not None:
         return kernel

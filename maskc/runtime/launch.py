@@ -23,7 +23,7 @@ from maskc.errors import MaskcError
 from maskc.runtime import hopper
 from maskc.runtime.descriptors import DESCRIPTOR_MIN_PAIRS, descriptors
 from maskc.runtime.dtypes import accumulator, dot_precision, interpreter_safe, triton_accumulator
-from maskc.runtime.kernel import CompiledKernel, kernel_for
+from maskc.runtime.kernel import CompiledKernel
 from maskc.runtime.plan import Problem
 from maskc.runtime.tiles import TileConfig, bh_group, descriptors_enabled, padded
 from maskc.settings import direct_launch
@@ -278,7 +278,7 @@ def _launch_gluon(problem: Problem, key: str, make_plan, values, prepare=None) -
 def _hopper_plan(problem: Problem) -> LaunchPlan:
     """The Gluon forward's launch (maskc/runtime/hopper.py)."""
     config = hopper.CONFIG
-    kernel = kernel_for("hfwd", problem.mask, problem.score, problem.dtype, problem.device)
+    kernel = problem.kernel("hfwd")
     scale = problem.scale if problem.score is not None else problem.scale * _LOG2E
     fixed = dict(
         num_heads=problem.Hq, group_size=problem.Hq // problem.Hkv, q_len=problem.Lq, kv_len=problem.Lkv,
@@ -384,7 +384,7 @@ def _hopper_dkdv_plan(problem: Problem, with_dq: bool) -> LaunchPlan:
     """The Gluon dK/dV kernel's launch (templates/attention_bwd_hopper.py.jinja), computing dQ
     too where `with_dq`."""
     config = hopper.BACKWARD[problem.D]
-    kernel = kernel_for("hbwd", problem.mask, problem.score, problem.dtype, problem.device)
+    kernel = problem.kernel("hbwd")
     fixed = dict(num_heads=problem.Hq, group_size=problem.Hq // problem.Hkv, q_len=problem.Lq, kv_len=problem.Lkv,
                  qk_scale=problem.scale, **_map_args(problem, config, transposed=True), **problem.captured,
                  BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN=problem.Lq % config.block_m == 0,

@@ -16,6 +16,7 @@ import triton
 from maskc._version import __version__
 from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.build import block_map_of_trace as build_block_map
+from maskc.analysis.intervals import indices_nonnegative
 from maskc.codegen.printer import tensor_args
 from maskc.codegen.render import codegen_hash
 from maskc.codegen.source import merge
@@ -23,6 +24,7 @@ from maskc.runtime import autotune, tiles
 from maskc.runtime.dtypes import DTYPES
 from maskc.runtime.kernel import CompiledKernel, kernel_for
 from maskc.settings import autotune as autotune_enabled
+from maskc.trace import symbols as S
 from maskc.trace.mods import as_mask_mod
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -93,6 +95,7 @@ class Problem:
     captured: dict  # kernel argument name -> captured tensor, its strides and sizes, or parameter value
     grad_slots: tuple[int, ...]  # captured tensors whose gradients the backward computes
     grad_tensors: tuple  # those tensors
+    negative_indices: bool  # whether a captured-tensor index can be negative in this call (kernel_for)
     # LaunchPlans by kernel and variant, built on first use; "gluon faster", runtime/hopper.py's choice;
     # and (kind, "compiling"): a Gluon plan and its background compile (runtime/launch.py's _launch_gluon)
     launches: dict = field(default_factory=dict)
@@ -110,7 +113,12 @@ class Problem:
         return self.Hq != self.Hkv
 
     def backward_kernel(self) -> CompiledKernel:
-        return kernel_for("bwd", self.mask, self.score, self.dtype, self.device, grad_slots=self.grad_slots)
+        return self.kernel("bwd", grad_slots=self.grad_slots)
+
+    def kernel(self, kind: str, grad_slots: tuple[int, ...] = ()) -> CompiledKernel:
+        """The `kind` kernel of this call's mods."""
+        return kernel_for(kind, self.mask, self.score, self.dtype, self.device, grad_slots=grad_slots,
+                          negative_indices=self.negative_indices)
 
 
 def planned(q, k, v, mask, score, scale, time_forward) -> Problem:
@@ -154,22 +162,32 @@ def problem_of(q, k, v, mask, score, scale, traces, *, block_map: BlockMap | Non
     # launch retries with fewer stages, runtime/launch.py's LaunchPlan._fitting)
     chosen = tiles.choose(D, q.device.type, q.element_size(), forward=forward,
                           block_map_size=block_map.block_size if block_map is not None else None)
-    kernel = kernel_for("fwd", m, s, q.dtype, q.device)
+    mask_expr, score_expr, tensors, params = merge(m, s)
+    negative = not indices_nonnegative((mask_expr, score_expr), tensors, {p.symbol: p.value for p in params},
+                                       {S.B: B, S.H: Hq, S.Q_IDX: Lq, S.KV_IDX: Lkv}, q.device)
+    kernel = kernel_for("fwd", m, s, q.dtype, q.device, negative_indices=negative)
     if block_map is None:
         block_map = cached_block_map(mask, m, Lq, Lkv, chosen.sparse, B, Hq, q.device)
-    captured, tensors = captured_args(m, s)
+    captured, tensors = captured_args(m, s, q.dtype)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     return Problem(mask, m, s, scale, B, Hq, Hkv, Lq, Lkv, D, Dv, q.dtype, chosen, block_map, kernel, captured,
-                   grad_slots, tuple(tensors[i] for i in grad_slots))
+                   grad_slots, tuple(tensors[i] for i in grad_slots), negative)
 
 
-def captured_args(mask, score) -> tuple[dict, tuple]:
+def captured_args(mask, score, dtype: torch.dtype) -> tuple[dict, tuple]:
     """The kernels' arguments for the traces' captured tensors (each with its strides and sizes)
-    and parameters, by name, and the tensors in codegen's numbering."""
+    and parameters, by name, and the tensors in codegen's numbering. `dtype`: the inputs'. A
+    float64 tensor of the score mod beside narrower inputs is read from a float32 copy, the
+    kernels' arithmetic: a float64 score would meet the float32 accumulators (Triton refuses
+    the mix) for a difference of one float32 rounding. The mask's are read as they are, as the
+    block map read them."""
     _, _, tensors, params = merge(mask, score)
+    first_score_slot = len(mask.tensors) if mask is not None else 0
     args = {}
     for slot, t in enumerate(tensors):
-        args.update(zip(tensor_args(slot, t.dim()), (t, *t.stride(), *t.shape)))
+        narrowed = slot >= first_score_slot and t.dtype == torch.float64 and dtype != torch.float64
+        read = t.detach().to(torch.float32) if narrowed else t
+        args.update(zip(tensor_args(slot, t.dim()), (read, *read.stride(), *read.shape)))
     args.update((f"p{i}", p.value) for i, p in enumerate(params))
     return args, tensors
 

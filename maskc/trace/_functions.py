@@ -25,13 +25,13 @@ from sympy.core.cache import clear_cache
 from maskc.trace import _context
 from maskc.trace import proxy as P
 from maskc.trace.canonical import conjunction, disjunction, negation, parity, piecewise
-from maskc.trace.symbols import SCORE
+from maskc.trace.symbols import SCORE, BFloat16, Float16, Trunc
 
 
 # -- operations that only torch functions perform ----------------------------------------------
 def fmod(a, b):
     """torch.fmod: the remainder with the sign of the dividend, as C computes it."""
-    return a - P.trunc(a / b) * b
+    return a - (P.trunc(a / b) if P.float32_exact(b) else Trunc(a / b)) * b
 
 
 def extreme(a, b, fn) -> P.Proxy:
@@ -87,9 +87,16 @@ def cast(x, dtype) -> P.Proxy:
         return P.Proxy(P.boolean(p))
     if dtype.is_complex:
         _context.fail(f"converts a traced value to {dtype}", "use a real dtype")
+    if dtype in _ROUNDED:
+        return P.Proxy(_ROUNDED[dtype](P.number(p)))
     if dtype.is_floating_point or p.is_bool:
         return P.Proxy(P.number(p))
     return P.Proxy(P.trunc(p.expr))
+
+
+# a float16 or bfloat16 value is its float32 (or float64) one rounded: mods compute in float32,
+# and torch's x.to(torch.bfloat16).to(torch.float32) rounds there too
+_ROUNDED = {torch.float16: Float16, torch.bfloat16: BFloat16}
 
 
 # -- the table ----------------------------------------------------------------------------------
@@ -224,7 +231,7 @@ P.register(P.mul, torch.mul, torch.multiply, T.mul, T.multiply)
 P.register(_div, torch.div, torch.divide, T.div, T.divide)
 P.register(lambda a, b: P.arith(a, b, lambda x, y: x / y), torch.true_divide, T.true_divide)
 P.register(lambda a, b: P.arith(a, b, P.floordiv), torch.floor_divide, T.floor_divide)
-P.register(lambda a, b: P.arith(a, b, sympy.Mod), torch.remainder, T.remainder)
+P.register(lambda a, b: P.arith(a, b, P.mod), torch.remainder, T.remainder)
 P.register(lambda a, b: P.arith(a, b, fmod), torch.fmod, T.fmod)
 P.register(lambda a, b: P.arith(a, b, lambda x, y: x**y), torch.pow, T.pow, torch.float_power, T.float_power)
 P.register(lambda x: -P.wrap(x), torch.neg, torch.negative, T.neg, T.negative)
@@ -241,8 +248,8 @@ P.register(lambda x, min: clamp(x, min=min), torch.clamp_min, T.clamp_min)
 P.register(lambda x, max: clamp(x, max=max), torch.clamp_max, T.clamp_max)
 
 # rounding
-P.register(_unary(sympy.floor), torch.floor, T.floor)
-P.register(_unary(sympy.ceiling), torch.ceil, T.ceil)
+P.register(_unary(P.floor), torch.floor, T.floor)
+P.register(_unary(P.ceiling), torch.ceil, T.ceil)
 P.register(_unary(P.trunc), torch.trunc, torch.fix, T.trunc, T.fix)
 P.register(_unary(lambda e: e - P.trunc(e)), torch.frac, T.frac)
 P.register(lambda x, *, decimals=0: P.round_half_even(x, decimals), torch.round, T.round, *_special("round"))

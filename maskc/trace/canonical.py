@@ -12,6 +12,8 @@ torch.where is exponentially larger as a tree than as a graph. So everything her
 each distinct node once, and Piecewise, And, Or and Xor are built without sympy's automatic
 evaluation, which walks the whole tree of its arguments.
 """
+import math
+
 import sympy
 from sympy.core.relational import Relational
 from sympy.functions.elementary.piecewise import ExprCondPair
@@ -197,11 +199,11 @@ class _Canonicalizer:
             # would be 2**depth relations, one per distinct affine function of the score.
             return _difference_form(type(rel), lhs, rhs)
         if isinstance(rel, (sympy.GreaterThan, sympy.StrictGreaterThan)):
-            diff = sympy.expand(lhs - rhs)
+            diff = _cleared(sympy.expand(lhs - rhs))
         elif isinstance(rel, (sympy.LessThan, sympy.StrictLessThan)):
-            diff = sympy.expand(rhs - lhs)
+            diff = _cleared(sympy.expand(rhs - lhs))
         else:
-            diff = sympy.expand(lhs - rhs)
+            diff = _cleared(sympy.expand(lhs - rhs))
             if diff.could_extract_minus_sign():
                 diff = -diff
             return type(rel)(diff, 0)
@@ -270,6 +272,28 @@ class _Canonicalizer:
                 key = (_tree_size(e), sympy.default_sort_key(e))
             self.keys[id(e)] = key
         return key
+
+
+def _cleared(diff):
+    """`diff` times the common denominator of its rational coefficients where that makes it an
+    integer: q_idx/20 - 1/2 > 0 (index arithmetic with the literal 0.05, read as 1/20) is
+    decided as q_idx - 10 > 0, in integers, not in floats that round 1/2 - 1/2 to 1e-17."""
+    if diff.is_integer:
+        return diff
+    denominators = set()
+    for term in sympy.Add.make_args(diff):
+        coefficient = term.as_coeff_Mul()[0]
+        if not coefficient.is_Rational:
+            return diff
+        denominators.add(coefficient.q)
+    scaled = sympy.expand(diff * math.lcm(*denominators))
+    # coefficients this small keep the int32 sum from overflowing below 2 million positions
+    small = all(abs(term.as_coeff_Mul()[0]) <= _CLEARED_LIMIT for term in sympy.Add.make_args(scaled)
+                if not term.is_Number)
+    return scaled if small and scaled.is_integer else diff
+
+
+_CLEARED_LIMIT = 1024
 
 
 def _tree_size(e):

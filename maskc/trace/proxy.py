@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import functools
 import numbers
+from fractions import Fraction
 
+import numpy
 import sympy
 import torch
 
 from maskc.errors import MaskTraceError
-from maskc.trace import _context
+from maskc.trace import _context, dag
 from maskc.trace.canonical import conjunction, disjunction, negation, parity, piecewise
 from maskc.trace.symbols import BitAnd, BitOr, BitXor, LeftShift, LoadBool, LoadFloat, LoadInt, RightShift, Trunc
 
@@ -87,10 +89,10 @@ class Proxy:
         return arith(other, self, floordiv)
 
     def __mod__(self, other):
-        return arith(self, other, sympy.Mod)
+        return arith(self, other, mod)
 
     def __rmod__(self, other):
-        return arith(other, self, sympy.Mod)
+        return arith(other, self, mod)
 
     def __divmod__(self, other):
         return self // other, self % other
@@ -114,10 +116,10 @@ class Proxy:
 
     # -- rounding, as math.floor/ceil/trunc and round() ask for it ---------------------------
     def __floor__(self):
-        return unary(self, sympy.floor)
+        return unary(self, floor)
 
     def __ceil__(self):
-        return unary(self, sympy.ceiling)
+        return unary(self, ceiling)
 
     def __trunc__(self):
         return unary(self, trunc)
@@ -324,12 +326,63 @@ def mul(a, b) -> Proxy:
     return Proxy(number(pa) * number(pb))
 
 
+# A float literal is read as the rational it spells when its denominator and numerator are at
+# most this: the int32 arithmetic that then rounds it exactly (a position times the numerator)
+# holds for positions below 2 million.
+_SPELLED_LIMIT = 1024
+
+
+def exact(x):
+    """Index arithmetic `x` (integers and float literals only) with each literal as the
+    rational it spells: 0.1 as 1/10, 1/7.0 as 1/7. For the operations whose result jumps
+    at integers (floor, ceil, trunc, %, comparisons): sympy writes (q_idx - kv_idx) * 0.1 as
+    0.1*q_idx - 0.1*kv_idx, which float32 rounds otherwise than torch's one product, and
+    at q_idx - kv_idx = 10 that last bit picks the other integer. Over rationals the
+    printer rounds exactly, with integer division. This is torch's float32 answer except
+    where float32's own rounding of the product crosses an integer (ceil(50 * 0.3) is 16
+    there); anything else (a score, a float load, a float parameter) is left as it is."""
+    # by identity, once per distinct node: sympy's atoms walks the tree, exponential in a where-nest
+    floats = set(dag.atoms(x, sympy.Float)) if isinstance(x, sympy.Basic) else ()
+    if not floats or dag.atoms(x, LoadFloat) or not all(s.is_integer for s in dag.free_symbols(x)):
+        return x  # a score, a float load or a float parameter: rounded as float32 rounds it
+    spelled = {}
+    for f in floats:
+        r = Fraction(float(f)).limit_denominator(_SPELLED_LIMIT)
+        if float(r) != float(f) or abs(r.numerator) > _SPELLED_LIMIT:
+            return x
+        spelled[f] = sympy.Rational(r.numerator, r.denominator)
+    rational = x.xreplace(spelled)
+    numerator, denominator = rational.as_numer_denom()
+    return rational if denominator.is_Integer and integral(numerator) else x
+
+
+def floor(x):
+    return sympy.floor(exact(x))
+
+
+def ceiling(x):
+    return sympy.ceiling(exact(x))
+
+
 def floordiv(a, b):
-    return sympy.floor(a / b)
+    return floor(a / b)
+
+
+def float32_exact(m) -> bool:
+    """Whether the divisor `m` of a remainder is one over whose rational reading the remainder
+    is torch's: not a float literal that float32 holds inexactly. torch's remainder by 0.3 is
+    exact arithmetic on float32's 0.30000001192, which is not 3/10 (at 3 it gives 0.2999999,
+    not 0), so such a remainder stays float arithmetic."""
+    return not any(float(numpy.float32(f)) != float(f) for f in dag.atoms(m, sympy.Float))
+
+
+def mod(a, b):
+    return sympy.Mod(exact(a), exact(b)) if float32_exact(b) else sympy.Mod(a, b)
 
 
 def trunc(x):
     """x rounded toward zero: C's integer division and float-to-integer conversion."""
+    x = exact(x)
     if integral(x):
         return x
     if x.is_Number:
@@ -339,7 +392,7 @@ def trunc(x):
 
 def round_half_even(x, decimals: int = 0) -> Proxy:
     """torch.round and Python's round(): halves go to the even neighbour."""
-    e = number(wrap(x))
+    e = exact(number(wrap(x)))
     if integral(e) and decimals >= 0:
         return Proxy(e)
     scaled = e * sympy.Integer(10) ** decimals
@@ -357,7 +410,7 @@ def compare(a, b, rel) -> Proxy:
         # Eq of two conditions would be Eq of 0/1 Piecewise, which no later stage can read
         differ = parity(pa.expr, pb.expr)
         return Proxy(differ if rel is sympy.Ne else negation(differ))
-    return Proxy(relation(rel, number(pa), number(pb)))
+    return Proxy(relation(rel, exact(number(pa)), exact(number(pb))))
 
 
 _BOOLEAN_OPS = {"&": conjunction, "|": disjunction, "^": parity}

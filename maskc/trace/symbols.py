@@ -21,7 +21,14 @@ def is_param(sym) -> bool:
     return isinstance(sym, sympy.Symbol) and sym.name[:1] == "p" and sym.name[1:].isdigit()
 
 
-class LoadInt(sympy.Function):
+class _Load(sympy.Function):
+    # A load of a constant index (a 0-d captured tensor is LoadFloat(0)) has no free symbols,
+    # which sympy takes for a number it can evaluate and compare: Max(score, LoadFloat(0))
+    # would ask for its value. Its value is known only when the kernel runs.
+    is_number = False
+
+
+class LoadInt(_Load):
     """`LoadInt(t, i0, i1, ...)`: element (i0, i1, ...) of captured integer tensor number t."""
 
     def _eval_is_integer(self):
@@ -31,14 +38,14 @@ class LoadInt(sympy.Function):
         return True
 
 
-class LoadFloat(sympy.Function):
+class LoadFloat(_Load):
     """`LoadFloat(t, i0, ...)`: element of captured floating-point tensor number t."""
 
     def _eval_is_real(self):
         return True
 
 
-class LoadBool(sympy.Function):
+class LoadBool(_Load):
     """`LoadBool(t, i0, ...)`: element of captured boolean tensor number t, read as 0 or 1."""
 
     def _eval_is_integer(self):
@@ -104,3 +111,29 @@ class Trunc(_IntegerOp):
 
 INTEGER_OPS = (BitAnd, BitOr, BitXor, LeftShift, RightShift, Trunc)
 
+
+# -- float roundings sympy has no node for ------------------------------------------------------
+class _Rounded(sympy.Function):
+    """A float rounded to a narrower float dtype and read back: `x.to(torch.bfloat16)` in a mod,
+    where it meets float32 again. Nondecreasing; its derivative is 1, as torch's autograd passes
+    a cast's gradient through."""
+
+    nargs = 1
+    is_number = False  # of a constant too: sympy cannot evaluate it (Max would ask)
+
+    def _eval_is_real(self):
+        return self.args[0].is_real
+
+    def fdiff(self, argindex=1):
+        return sympy.Integer(1)
+
+
+class Float16(_Rounded):
+    """`x.half()`, `x.to(torch.float16)`: rounded to float16 (nearest, ties to even)."""
+
+
+class BFloat16(_Rounded):
+    """`x.bfloat16()`, `x.to(torch.bfloat16)`: rounded to bfloat16 (nearest, ties to even)."""
+
+
+ROUNDED = (Float16, BFloat16)
