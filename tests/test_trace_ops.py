@@ -116,6 +116,7 @@ def test_an_unknown_tensor_method_names_itself():
     lambda score, b, h, q_idx, kv_idx: F.relu(score) + F.silu(score) - F.sigmoid(score) + F.tanh(score),
     lambda score, b, h, q_idx, kv_idx: F.gelu(score) + F.gelu(score, approximate="tanh"),
     lambda score, b, h, q_idx, kv_idx: F.softplus(score) + F.softplus(score, beta=2, threshold=3),
+    lambda s, b, h, q, kv: F.elu(s) + F.elu(s, alpha=0.5) + F.selu(s) + torch.special.erfc(s / 4) + torch.erfc(s / 8),
     lambda score, b, h, q_idx, kv_idx: torch.exp2(score / 8) + torch.sin(score) * torch.cos(score) + torch.sign(score),
     lambda score, b, h, q_idx, kv_idx: torch.square(score) / 16 - torch.pow(torch.abs(score), 0.5) + torch.erf(score),
     lambda score, b, h, q_idx, kv_idx: torch.sigmoid(score) * torch.full_like(score, 3.0) + torch.ones_like(score),
@@ -128,9 +129,9 @@ def test_an_unknown_tensor_method_names_itself():
     # it could compare ("LoadFloat(0) is not comparable")
     lambda s, b, h, q, kv: torch.maximum(s, torch.tensor(-0.5)) + torch.minimum(s, SCALE_T) + s.clamp(max=SCALE_T)
     + torch.maximum(s, torch.full_like(s, 0.1).half()),  # a rounded constant is no number sympy can compare
-], ids=["captured_operator", "captured_method", "special", "functional", "gelu", "softplus", "exp2_trig_sign",
-        "square_pow_erf", "like", "zeros_like_tensor", "div_trunc", "div_floor", "fmod_remainder", "clamp",
-        "maximum_captured_scalar"])
+], ids=["captured_operator", "captured_method", "special", "functional", "gelu", "softplus", "elu_selu_erfc",
+        "exp2_trig_sign", "square_pow_erf", "like", "zeros_like_tensor", "div_trunc", "div_floor", "fmod_remainder",
+        "clamp", "maximum_captured_scalar"])
 def test_torch_functions_trace_to_what_torch_computes(fn):
     assert_score_traces(fn)
 
@@ -559,8 +560,10 @@ def _bias_tuple(score, b, h, q_idx, kv_idx):
     # other integer past 256, so the mask keeps some kv_idx = q_idx + 1
     (lambda b, h, q_idx, kv_idx: (q_idx + 250).bfloat16() >= (kv_idx + 250).bfloat16(),
      lambda s, b, h, q, kv: s.to(torch.bfloat16).to(torch.float32) * 2 + (s * 3).half(), None),
+    # refused before though FlexAttention runs them
+    (None, lambda s, b, h, q, kv: F.elu(s) + F.selu(s / 2) + torch.special.erfc(s / 4), None),
 ], ids=["morton", "where_eq", "and_masks_shift", "gelu_clamp", "floor_bias_chain", "float_literal_rounded",
-        "float_literal_remainder", "negative_index", "narrow_float_casts"])
+        "float_literal_remainder", "negative_index", "narrow_float_casts", "elu_selu_erfc"])
 def test_end_to_end(mask_mod, score_mod, reference_score_mod):
     q, k, v = _attention_inputs()
     out = maskc.compiled_attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod)

@@ -153,6 +153,19 @@ def _softplus(x, beta=1.0, threshold=20.0):
     return P.Proxy(piecewise((e, e * beta > threshold), (sympy.log(1 + sympy.exp(e * beta)) / beta, sympy.true)))
 
 
+def _elu(x, alpha=1.0, inplace=False):
+    e = P.number(P.wrap(x))
+    return P.Proxy(piecewise((e, e > 0), (alpha * (sympy.exp(e) - 1), sympy.true)))
+
+
+# torch's F.selu constants (scale · elu(x, alpha))
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+def _selu(x, inplace=False):
+    return P.mul(_elu(x, _SELU_ALPHA), _SELU_SCALE)
+
+
 def _leaky_relu(x, negative_slope=0.01, inplace=False):
     e = P.number(P.wrap(x))
     return P.Proxy(sympy.Max(e, 0) + negative_slope * sympy.Min(e, 0))
@@ -270,12 +283,17 @@ P.register(_unary(sympy.cos), torch.cos, T.cos)
 P.register(_unary(lambda e: sympy.sin(e) / sympy.cos(e)), torch.tan, T.tan)
 P.register(_unary(sympy.tanh), torch.tanh, T.tanh)
 P.register(_unary(sympy.erf), torch.erf, T.erf, *_special("erf"))
+# 1 - erf: absolute error within float32's, which is what a score's sum sees (the relative error
+# of a tiny erfc(5) = 1.5e-12 is lost)
+P.register(_unary(lambda e: 1 - sympy.erf(e)), torch.erfc, T.erfc, *_special("erfc"))
 P.register(_unary(_sigmoid), torch.sigmoid, T.sigmoid, *_special("expit"))
 P.register(lambda x, inplace=False: P.unary(x, lambda e: sympy.Max(e, 0)), F.relu, torch.relu, T.relu)
 P.register(lambda x, inplace=False: P.unary(x, lambda e: e * _sigmoid(e)), F.silu)
 P.register(_gelu, F.gelu)
 P.register(_softplus, F.softplus)
 P.register(_leaky_relu, F.leaky_relu)
+P.register(_elu, F.elu)
+P.register(_selu, F.selu, torch.selu)
 P.register(lambda x, min_val=-1.0, max_val=1.0, inplace=False: clamp(x, min_val, max_val), F.hardtanh)
 P.register(lambda x, inplace=False: clamp(x, 0, 6), F.relu6)
 
