@@ -595,15 +595,20 @@ def doubtful_indices(exprs) -> list:
             if not i.is_nonnegative]
 
 
-def indices_nonnegative(exprs, tensors, values: dict, extents: dict, device) -> bool:
+def indices_nonnegative(exprs, tensors, values: dict, extents: dict) -> bool:
     """Whether every captured-tensor index in `exprs` is nonnegative at every position, each
     index symbol ranging over [0, extents[symbol]) and parameters at `values`: then a kernel
     for these positions needs no wrap of negative indices (t[-1] as the last element). An
     index sympy proves nonnegative is not asked; one whose range is undecided counts as
-    possibly negative."""
+    possibly negative. A call with a block map asks this every time: an index that reads no
+    captured tensor is decided on the host, with no copy and no device sync."""
     doubtful = doubtful_indices(exprs)
     if not doubtful:
         return True
+    if any(dag.atoms(i, *LOADS) for i in doubtful):  # an index read from a tensor: its values' ranges
+        device = tensors[0].device
+    else:
+        device, tensors = torch.device("cpu"), ()
     frame = {}
     for symbol, n in extents.items():
         lo, hi = torch.tensor(0, device=device), torch.tensor(n - 1, device=device)

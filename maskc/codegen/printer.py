@@ -16,8 +16,9 @@ text of random expressions as Python and compares it with maskc's dense evaluati
   and are printed; otherwise the helpers `_floordiv` / `_mod` / `_ceildiv` of the template.
 - Integer-valued true division stays true division (`/` of a Rational prints a float).
 - Captured-tensor loads count a negative index from the end (torch's t[-1]), are masked to
-  the tensor's bounds (an index still out of range reads 0) and widened where they are read, by the template's `_widen`: float16/bfloat16 to float32,
-  int8/int16/uint8 (and bool) to int32, so that no arithmetic runs in a narrow type.
+  the tensor's bounds (an index still out of range reads 0) and widened where they are read,
+  by the template's `_widen`: float16/bfloat16 to float32, int8/int16/uint8 (and bool) to
+  int32, so that no arithmetic runs in a narrow type.
 - Positions meet floats in float: a sum of ±q_idx, ±kv_idx and integer literals inside a
   float expression (ALiBi's `(kv_idx - q_idx) * slope`) is printed over `q_idx_f`/`kv_idx_f`,
   the position vectors converted once per tile, instead of converting every element of the

@@ -164,7 +164,7 @@ def problem_of(q, k, v, mask, score, scale, traces, *, block_map: BlockMap | Non
                           block_map_size=block_map.block_size if block_map is not None else None)
     mask_expr, score_expr, tensors, params = merge(m, s)
     negative = not indices_nonnegative((mask_expr, score_expr), tensors, {p.symbol: p.value for p in params},
-                                       {S.B: B, S.H: Hq, S.Q_IDX: Lq, S.KV_IDX: Lkv}, q.device)
+                                       {S.B: B, S.H: Hq, S.Q_IDX: Lq, S.KV_IDX: Lkv})
     kernel = kernel_for("fwd", m, s, q.dtype, q.device, negative_indices=negative)
     if block_map is None:
         block_map = cached_block_map(mask, m, Lq, Lkv, chosen.sparse, B, Hq, q.device)

@@ -274,6 +274,10 @@ class _Canonicalizer:
         return key
 
 
+# coefficients this small keep an int32 sum of positions from overflowing below 2 million positions
+_CLEARED_LIMIT = 1024
+
+
 def _cleared(diff):
     """`diff` times the common denominator of its rational coefficients where that makes it an
     integer: q_idx/20 - 1/2 > 0 (index arithmetic with the literal 0.05, read as 1/20) is
@@ -287,13 +291,9 @@ def _cleared(diff):
             return diff
         denominators.add(coefficient.q)
     scaled = sympy.expand(diff * math.lcm(*denominators))
-    # coefficients this small keep the int32 sum from overflowing below 2 million positions
     small = all(abs(term.as_coeff_Mul()[0]) <= _CLEARED_LIMIT for term in sympy.Add.make_args(scaled)
                 if not term.is_Number)
     return scaled if small and scaled.is_integer else diff
-
-
-_CLEARED_LIMIT = 1024
 
 
 def _tree_size(e):
