@@ -60,8 +60,8 @@ CONFIG = tiles.TileConfig(128, 128, 4, 3)
 MAX_REGISTERS = 168
 # The dK/dV kernel (templates/attention_bwd_hopper.py.jinja): block_m the q tile it loops over
 # (wgmma's 64 rows, which dQ's product needs), block_n its 128 kv rows (two consumer warpgroups
-# of 64), two Q/dO stages. At D=128 ptxas spills 750-1200 bytes of the consumers' 240 registers
-# (dK and dV hold 128 of them), and the kernel still beats the Triton backward (NOTES).
+# of 64), two Q/dO stages. Its consumers' 240 registers hold dK and dV (128) and a tile's S and
+# dP; at D=128 ptxas still spills up to 112 bytes, outside the products' chain (NOTES).
 BACKWARD = {64: tiles.TileConfig(64, 128, 4, 2), 128: tiles.TileConfig(64, 128, 4, 2)}
 # The fewest kv tiles (of CONFIG's 128 keys) a q row keeps on average for the Gluon kernel to
 # be chosen: the sliding window that tied kept ~9, causal at 8192 keeps ~32.
