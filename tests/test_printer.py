@@ -278,9 +278,13 @@ _UNEVALUATED = ("+u", "-u", "*u", "neg u")
 
 
 def _unevaluated(a, b):
-    return {"+u": lambda: sympy.Add(a, b, evaluate=False), "*u": lambda: sympy.Mul(a, b, evaluate=False),
-            "-u": lambda: sympy.Add(a, sympy.Mul(-1, b, evaluate=False), evaluate=False),
-            "neg u": lambda: sympy.Mul(-1, a, evaluate=False)}
+    # Two constants are folded, as Python folds a mod's literals before sympy sees them: sympy's
+    # assumptions fail on some unevaluated constant nodes (is_integer of score·(score·(0 + 0))
+    # divides by zero), which the tracer never builds.
+    keep = not (a.is_number and b.is_number)
+    return {"+u": lambda: sympy.Add(a, b, evaluate=not keep), "*u": lambda: sympy.Mul(a, b, evaluate=not keep),
+            "-u": lambda: sympy.Add(a, sympy.Mul(-1, b, evaluate=not keep), evaluate=not keep),
+            "neg u": lambda: sympy.Mul(-1, a, evaluate=not a.is_number)}
 
 
 @st.composite
