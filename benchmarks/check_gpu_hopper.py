@@ -54,6 +54,11 @@ def narrow_casts(score, b, h, q_idx, kv_idx):
     return score.to(torch.bfloat16).to(torch.float32) + (score * 0.5).half()
 
 
+def arctangent(score, b, h, q_idx, kv_idx):
+    # the prelude's own arctangent, across both of its range reductions
+    return score + 4 * torch.atan((q_idx - kv_idx).float() ** 3 / 1000 + score / 8)
+
+
 def cases(Lq, Lkv, H):
     docs = torch.randint(0, 4, (max(Lq, Lkv),), device="cuda").sort().values
     table = torch.randn(H, 2 * max(Lq, Lkv) - 1, device="cuda")
@@ -65,6 +70,7 @@ def cases(Lq, Lkv, H):
     return [
         ("float literals rounded", float_literals_rounded, narrow_casts),
         ("negative index", masks.causal, from_the_end),
+        ("arctangent", masks.causal, arctangent),
         ("no mask", None, None),
         ("causal", masks.causal, None),
         ("sliding 100", masks.sliding_window(100), None),

@@ -117,6 +117,7 @@ def test_an_unknown_tensor_method_names_itself():
     lambda score, b, h, q_idx, kv_idx: F.gelu(score) + F.gelu(score, approximate="tanh"),
     lambda score, b, h, q_idx, kv_idx: F.softplus(score) + F.softplus(score, beta=2, threshold=3),
     lambda s, b, h, q, kv: F.elu(s) + F.elu(s, alpha=0.5) + F.selu(s) + torch.special.erfc(s / 4) + torch.erfc(s / 8),
+    lambda s, b, h, q, kv: torch.atan(s) + torch.arctan(s * 3) + s.atan() / 2 + s.arctan() * (q - kv),
     lambda score, b, h, q_idx, kv_idx: torch.exp2(score / 8) + torch.sin(score) * torch.cos(score) + torch.sign(score),
     lambda score, b, h, q_idx, kv_idx: torch.square(score) / 16 - torch.pow(torch.abs(score), 0.5) + torch.erf(score),
     lambda score, b, h, q_idx, kv_idx: torch.sigmoid(score) * torch.full_like(score, 3.0) + torch.ones_like(score),
@@ -129,7 +130,7 @@ def test_an_unknown_tensor_method_names_itself():
     # it could compare ("LoadFloat(0) is not comparable")
     lambda s, b, h, q, kv: torch.maximum(s, torch.tensor(-0.5)) + torch.minimum(s, SCALE_T) + s.clamp(max=SCALE_T)
     + torch.maximum(s, torch.full_like(s, 0.1).half()),  # a rounded constant is no number sympy can compare
-], ids=["captured_operator", "captured_method", "special", "functional", "gelu", "softplus", "elu_selu_erfc",
+], ids=["captured_operator", "captured_method", "special", "functional", "gelu", "softplus", "elu_selu_erfc", "atan",
         "exp2_trig_sign", "square_pow_erf", "like", "zeros_like_tensor", "div_trunc", "div_floor", "fmod_remainder",
         "clamp", "maximum_captured_scalar"])
 def test_torch_functions_trace_to_what_torch_computes(fn):
@@ -569,3 +570,26 @@ def test_end_to_end(mask_mod, score_mod, reference_score_mod):
     out = maskc.compiled_attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod)
     ref, _ = attention_reference(q, k, v, mask_mod=mask_mod, score_mod=reference_score_mod or score_mod)
     assert_close_to_reference(out, ref)
+
+
+def _atan_everywhere(score, b, h, q_idx, kv_idx):
+    # arguments from 0 through both of the kernel's range reductions (tan(pi/8), tan(3pi/8)) to
+    # ±1280 and ±1e4·score; 8· makes an error of float32's size the largest term of the output's
+    x = (q_idx - kv_idx).float() ** 3 / 50 + score / 8
+    return score + 8 * torch.atan(x) + torch.arctan(score * 1e4) - (score / 1e3).atan() * 100
+
+
+def test_atan_holds_float32_precision():
+    # the kernel's arctangent is a polynomial of its own (Triton has none): the end-to-end
+    # tolerance (1e-3 relative) would pass a wrong coefficient, these bounds do not (a coefficient
+    # off by 1e-3 moves the output by 3e-4)
+    q, k, v = (t.requires_grad_() for t in _attention_inputs())
+    out = maskc.compiled_attention(q, k, v, score_mod=_atan_everywhere)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(d_out)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_reference(q64, k64, v64, score_mod=_atan_everywhere)
+    ref.backward(d_out.double())
+    assert (out.double() - ref).abs().max() < 1e-5
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert (got.double() - want).abs().max() < 2e-5 * want.abs().max()

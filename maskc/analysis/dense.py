@@ -165,6 +165,9 @@ class _Evaluator:
     def _tanh(self, e):
         return torch.tanh(self.run(e.args[0]).to(torch.float64))
 
+    def _atan(self, e):
+        return torch.atan(self.run(e.args[0]).to(torch.float64))
+
     def _sin(self, e):
         return torch.sin(self.run(e.args[0]).to(torch.float64))
 

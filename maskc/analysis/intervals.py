@@ -297,6 +297,9 @@ class IntervalEvaluator:
     def _tanh(self, e):
         return self._increasing(e.args[0], torch.tanh)
 
+    def _atan(self, e):
+        return self._increasing(e.args[0], torch.atan)
+
     def _erf(self, e):
         return self._increasing(e.args[0], torch.erf)
 

@@ -418,6 +418,9 @@ class TritonPrinter(CodePrinter):
     def _print_tanh(self, e):
         return self._helper("_tanh", self._float(e.args[0]).text)
 
+    def _print_atan(self, e):
+        return self._helper("_atan", self._float(e.args[0]).text)
+
     def _print_sin(self, e):
         return _atom(f"tl.sin({self._float(e.args[0]).text})")
 

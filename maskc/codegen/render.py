@@ -161,7 +161,7 @@ def _name(hooks: dict, hook: str, printed) -> None:
 
 
 # -- d(score_mod)/d(score) for the backward --------------------------------------------------
-_SMOOTH = (sympy.exp, sympy.log, sympy.tanh, sympy.sin, sympy.cos, sympy.erf, *ROUNDED)  # ROUNDED: slope 1
+_SMOOTH = (sympy.exp, sympy.log, sympy.tanh, sympy.atan, sympy.sin, sympy.cos, sympy.erf, *ROUNDED)  # ROUNDED: slope 1
 # An integer-valued operation of score: its derivative is 0 almost everywhere (torch says 0 for
 # floor), which is rarely what was meant. Indices of captured tensors are integers, so one
 # of these reaches any index that depends on score.

@@ -282,6 +282,7 @@ P.register(_unary(sympy.cos), torch.cos, T.cos)
 # tan as written out: Triton has no tan, and sin/cos already print, analyse and differentiate
 P.register(_unary(lambda e: sympy.sin(e) / sympy.cos(e)), torch.tan, T.tan)
 P.register(_unary(sympy.tanh), torch.tanh, T.tanh)
+P.register(_unary(sympy.atan), torch.atan, torch.arctan, T.atan, T.arctan)
 P.register(_unary(sympy.erf), torch.erf, T.erf, *_special("erf"))
 # 1 - erf: absolute error within float32's, which is what a score's sum sees (the relative error
 # of a tiny erfc(5) = 1.5e-12 is lost)
