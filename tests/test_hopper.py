@@ -145,6 +145,31 @@ def test_the_hopper_dkdv_kernel_compiles_for_sm90(name, mask, score, D, with_dq)
     _check(_compile(mask, score, D, kind="hbwd", with_dq=with_dq))
 
 
+def _stack_bytes(compiled) -> int:
+    """ptxas's stack frame (spilled registers) of a compiled kernel, read from its cubin."""
+    import subprocess
+
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip(f"this Triton ships no cuobjdump at {cuobjdump} to read the cubin's stack frame with")
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernel.cubin"
+        path.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True, text=True,
+                               check=True).stdout
+    return int(usage.split("STACK:")[1].split()[0])
+
+
+def test_the_dkdv_kernels_descriptors_are_not_spilled():
+    # At D=128 with dQ, K, V, P and dS views made before the tile loop had their wgmma
+    # descriptors hoisted and spilled (ptxas: 480 bytes with Triton 3.9, 208-360 with 3.6), and
+    # the reloads held up every product (benchmarks/NOTES.md, stall profile); made in the tile,
+    # 64 bytes with 3.9, 0-112 with 3.6.
+    assert _stack_bytes(_compile(None, None, 128, kind="hbwd", with_dq=True)) <= 128
+
+
 def _problem(mask, score, L, D=64):
     q = torch.empty(1, 2, L, D)
     mask, score = as_mask_mod(mask) if mask else None, as_score_mod(score) if score else None
