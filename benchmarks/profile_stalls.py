@@ -1,13 +1,13 @@
 """Where a Gluon kernel's warps wait: Nsight Compute's stall sampling, instruction by instruction.
 
-    bash benchmarks/profile_stalls.sh            # on the GPU machine; tables under $OUT (or /tmp)
+    bash benchmarks/profile_stalls.sh            # on the GPU machine; CSVs under $OUT (or /tmp/stalls)
 
-profile_stalls.sh runs this file twice. Under `ncu`, `run` launches one workload's maskc
+profile_stalls.sh runs this file twice a case and once at the end. Under `ncu`, `run` launches one workload's maskc
 forward (+ backward) a few times, and ncu profiles one launch of the kernel it is told to
 (--launch-skip past the warm-up). Then `report` reads the reports ncu exported as CSV and prints,
 per kernel: the issue rate, the pipes' utilisation (tensor, transcendental XU, FMA, ALU), the warps'
 stall reasons summed over the kernel, and the SASS instructions with the most stall samples, each
-with its leading reasons. This is the profile benchmarks/NOTES.md asks for before the next lever.
+with its leading reasons (`line`: the instruction's row in the source CSV). This is the profile benchmarks/NOTES.md asks for before the next lever.
 """
 from __future__ import annotations
 
@@ -54,14 +54,14 @@ def number(text: str | None) -> float:
         return 0.0
 
 
-KERNEL = {  # label: metric
-    "duration (ms)": "gpu__time_duration.sum",
-    "SM clock (GHz)": "gpc__cycles_elapsed.avg.per_second",
-    "issue active %": "smsp__issue_active.avg.pct_of_peak_sustained_active",
-    "tensor pipe %": "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
-    "XU (exp2) %": "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
-    "FMA %": "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
-    "ALU %": "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active",
+KERNEL = {  # label: metric (the unit is ncu's, from the units row)
+    "duration": "gpu__time_duration.sum",
+    "SM clock": "gpc__cycles_elapsed.avg.per_second",
+    "issue active": "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "tensor pipe": "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    "XU (exp2)": "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
+    "FMA": "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
+    "ALU": "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active",
     "registers/thread": "launch__registers_per_thread",
 }
 
@@ -74,8 +74,9 @@ def report(args) -> None:
         if not table:
             print("(no rows)")
             continue
-        row = table[-1]  # the first row under the header gives units
-        print("; ".join(f"{name} {row.get(metric, '-')}" for name, metric in KERNEL.items()))
+        units, row = table[0], table[-1]  # the first row under the header gives units
+        print("; ".join(f"{name} {row.get(metric, '-')} {units.get(metric, '')}".rstrip()
+                        for name, metric in KERNEL.items()))
         source = raw_path.with_name(f"{label}.source.csv")
         if source.exists():
             stalls(rows(source, "Address"), args.top)
@@ -91,7 +92,7 @@ def stalls(table: list[dict], top: int) -> None:
     by_reason, by_opcode = Counter(), {}
     for r in table:
         # "@!P3 BRA 0x..." -> BRA: the opcode without its predicate
-        opcode = re.sub(r"^@!?U?P\w+\s+", "", r["Source"].strip()).split(" ")[0]
+        opcode = re.sub(r"^@!?U?P\w+\s+", "", (r["Source"] or "").strip()).split(" ")[0]
         for c in reasons:
             by_reason[c[6:]] += number(r[c])
             by_opcode.setdefault(opcode, Counter())[c[6:]] += number(r[c])
@@ -108,7 +109,7 @@ def stalls(table: list[dict], top: int) -> None:
     for n in ranked[:top]:
         r = table[n]
         lead = Counter({c[6:]: number(r[c]) for c in reasons})
-        print(f"| {number(r['Warp Stall Sampling (All Samples)']) / total:.1%} | {n} | {r['Source'].strip()[:60]} "
+        print(f"| {number(r['Warp Stall Sampling (All Samples)']) / total:.1%} | {n} | {(r['Source'] or '').strip()[:60]} "
               f"| {shares(lead)} |")
 
 

@@ -63,7 +63,7 @@ def test_source_is_the_file_that_runs(cache_dir):
 
 def test_files_define_only_the_helpers_they_call():
     causal = _compile(masks.causal).source
-    for helper in ("_floordiv", "_ceildiv", "_truncdiv", "_mod", "_tanh", "_sign", "_lshift", "_rshift", "_widen"):
+    for helper in ("_floordiv", "_ceildiv", "_truncdiv", "_mod", "_tanh", "_atan", "_sign", "_lshift", "_rshift", "_widen"):
         assert f"def {helper}(" not in causal
     assert "_max_combine = tl.standard._elementwise_max" in causal  # the interpreter reduces these with numpy
 

@@ -169,6 +169,7 @@ SOUNDNESS = {
     "base_below_one": lambda a, c: _ge(sympy.Rational(1, 3) ** ((Q_IDX - KV_IDX) / 6) - (c + 9 + HALF) / 4),
     "tanh": lambda a, c: _ge(sympy.tanh((Q_IDX - a * KV_IDX + HALF) / 10) - sympy.Rational(c, 9)),
     "erf": lambda a, c: _ge(sympy.erf((Q_IDX - KV_IDX - c - HALF) / 5) - sympy.Rational(a, 9)),
+    "atan": lambda a, c: _ge(sympy.atan((Q_IDX - a * KV_IDX + HALF) / 3) - sympy.Rational(c, 6)),
     "log": lambda a, c: _ge(sympy.log(Q_IDX - a * KV_IDX + c) - 1),  # NaN below 0
     "sqrt": lambda a, c: _ge(sympy.sqrt(Q_IDX - KV_IDX + c) - sympy.Rational(a + 8, 3)),
     "even_power": lambda a, c: _ge((Q_IDX - KV_IDX - c) ** 2 - a * a),

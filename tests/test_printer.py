@@ -92,6 +92,7 @@ def test_what_sympy_folds_prints_its_folded_form():
     (sympy.exp(SCORE), "tl.exp(score)"),
     (sympy.log(SCORE), "tl.log(score)"),
     (sympy.tanh(SCORE), "_tanh(score)"),
+    (sympy.atan(SCORE / 2), "_atan(0.5 * score)"),
     (sympy.Abs(Q_IDX - KV_IDX), "tl.abs(kv_idx - q_idx)"),
     (sympy.Min(Q_IDX, KV_IDX, 3), "tl.minimum(tl.minimum(3, kv_idx), q_idx)"),
     (sympy.Max(Q_IDX, KV_IDX), "tl.maximum(kv_idx, q_idx)"),

@@ -61,7 +61,8 @@ MAX_REGISTERS = 168
 # The dK/dV kernel (templates/attention_bwd_hopper.py.jinja): block_m the q tile it loops over
 # (wgmma's 64 rows, which dQ's product needs), block_n its 128 kv rows (two consumer warpgroups
 # of 64), two Q/dO stages. Its consumers' 240 registers hold dK and dV (128) and a tile's S and
-# dP; at D=128 ptxas still spills up to 112 bytes, outside the products' chain (NOTES).
+# dP; at D=128 ptxas (Triton 3.6) still spills up to 112 bytes, which no longer shows among the
+# stall profile's waits (NOTES).
 BACKWARD = {64: tiles.TileConfig(64, 128, 4, 2), 128: tiles.TileConfig(64, 128, 4, 2)}
 # The fewest kv tiles (of CONFIG's 128 keys) a q row keeps on average for the Gluon kernel to
 # be chosen: the sliding window that tied kept ~9, causal at 8192 keeps ~32.
