@@ -168,20 +168,21 @@ def problem_of(q, k, v, mask, score, scale, traces, *, block_map: BlockMap | Non
     kernel = kernel_for("fwd", m, s, q.dtype, q.device, negative_indices=negative)
     if block_map is None:
         block_map = cached_block_map(mask, m, Lq, Lkv, chosen.sparse, B, Hq, q.device)
-    captured, tensors = captured_args(m, s, q.dtype)
+    captured, tensors = captured_args(m, s, q.dtype, merged=(tensors, params))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     return Problem(mask, m, s, scale, B, Hq, Hkv, Lq, Lkv, D, Dv, q.dtype, chosen, block_map, kernel, captured,
                    grad_slots, tuple(tensors[i] for i in grad_slots), negative)
 
 
-def captured_args(mask, score, dtype: torch.dtype) -> tuple[dict, tuple]:
+def captured_args(mask, score, dtype: torch.dtype, merged: tuple | None = None) -> tuple[dict, tuple]:
     """The kernels' arguments for the traces' captured tensors (each with its strides and sizes)
     and parameters, by name, and the tensors in codegen's numbering. `dtype`: the inputs'. A
     float64 tensor of the score mod beside narrower inputs is read from a float32 copy, the
     kernels' arithmetic: a float64 score would meet the float32 accumulators (Triton refuses
     the mix) for a difference of one float32 rounding. The mask's are read as they are, as the
-    block map read them."""
-    _, _, tensors, params = merge(mask, score)
+    block map read them. `merged`: merge(mask, score)'s tensors and parameters, where the caller
+    has them (a call with a block map builds its Problem every time)."""
+    tensors, params = merged or merge(mask, score)[2:]
     first_score_slot = len(mask.tensors) if mask is not None else 0
     args = {}
     for slot, t in enumerate(tensors):
