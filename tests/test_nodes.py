@@ -463,3 +463,19 @@ def test_built_morton_mask_forward_and_backward():
                 & (7 - (q ^ kv) + (1 << (3 + 2)) >= 0), params=(3,))
     assert_block_map_sound(mask, 40, 40, (16, 16))
     _check_attention(mask, None)
+
+
+def test_the_host_decision_of_nonnegative_indices_follows_parameters_and_extents():
+    # indices_nonnegative caches what it decides on the host (an index reading no tensor) by
+    # parameter values and extents: a call with a block map asks it every time, and a new
+    # value of a captured number (a parameter, not a new trace) must get its own answer
+    from maskc.analysis.intervals import indices_nonnegative
+    from maskc.trace import symbols as S
+
+    p0 = S.param_symbol(0, True)
+    expr = S.LoadFloat(0, S.H, S.Q_IDX - S.KV_IDX + p0)
+    table = torch.zeros(2, 300)
+    for offset, kv_len, nonnegative in ((69, 70, True), (69, 90, False), (0, 70, False), (69, 70, True),
+                                        (89, 90, True), (0, 1, True)):
+        extents = {S.B: 1, S.H: 2, S.Q_IDX: 70, S.KV_IDX: kv_len}
+        assert indices_nonnegative((None, expr), (table,), {p0: offset}, extents) is nonnegative, (offset, kv_len)

@@ -592,10 +592,16 @@ class TensorSummaries:
         return torch.minimum(flat.min(), zero), torch.maximum(flat.max(), zero)
 
 
-def doubtful_indices(exprs) -> list:
+def doubtful_indices(exprs) -> tuple:
     """The captured-tensor indices in `exprs` that sympy cannot prove nonnegative."""
-    return [i for e in exprs if e is not None for load in dag.atoms(e, *LOADS) for i in load.args[1:]
-            if not i.is_nonnegative]
+    return _doubtful(tuple(exprs))
+
+
+@functools.lru_cache(maxsize=512)
+def _doubtful(exprs: tuple) -> tuple:
+    # cached: a call with a block map asks on every call, and sympy's is_nonnegative is slow
+    return tuple(i for e in exprs if e is not None for load in dag.atoms(e, *LOADS) for i in load.args[1:]
+                 if not i.is_nonnegative)
 
 
 def indices_nonnegative(exprs, tensors, values: dict, extents: dict) -> bool:
@@ -604,14 +610,22 @@ def indices_nonnegative(exprs, tensors, values: dict, extents: dict) -> bool:
     for these positions needs no wrap of negative indices (t[-1] as the last element). An
     index sympy proves nonnegative is not asked; one whose range is undecided counts as
     possibly negative. A call with a block map asks this every time: an index that reads no
-    captured tensor is decided on the host, with no copy and no device sync."""
+    captured tensor is decided on the host, with no copy and no device sync, once for its
+    parameters' values and extents."""
     doubtful = doubtful_indices(exprs)
     if not doubtful:
         return True
     if any(dag.atoms(i, *LOADS) for i in doubtful):  # an index read from a tensor: its values' ranges
-        device = tensors[0].device
-    else:
-        device, tensors = torch.device("cpu"), ()
+        return _nonnegative(doubtful, tensors, values, extents, tensors[0].device)
+    return _nonnegative_on_host(doubtful, tuple(values.items()), tuple(extents.items()))
+
+
+@functools.lru_cache(maxsize=512)
+def _nonnegative_on_host(doubtful: tuple, values: tuple, extents: tuple) -> bool:
+    return _nonnegative(doubtful, (), dict(values), dict(extents), torch.device("cpu"))
+
+
+def _nonnegative(doubtful: tuple, tensors, values: dict, extents: dict, device: torch.device) -> bool:
     frame = {}
     for symbol, n in extents.items():
         lo, hi = torch.tensor(0, device=device), torch.tensor(n - 1, device=device)

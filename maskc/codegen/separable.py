@@ -17,6 +17,7 @@ slope * kv_idx alone would be ~10^5 at L = 131072, with 10^-2 absolute rounding 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import sympy
@@ -36,6 +37,7 @@ class SeparableScore:
     column: sympy.Expr  # free of score and q_idx
 
 
+@functools.lru_cache(maxsize=512)  # a call with a block map asks on every call: 1-2 ms of sympy for ALiBi
 def separate(score_expr: sympy.Expr | None) -> SeparableScore | None:
     """The split of `score_expr`, or None when it has no such form (softcap's tanh, a table
     indexed by q_idx - kv_idx, a product of score with a position).

@@ -7,6 +7,7 @@ runtime LaunchPlan (maskc/runtime/launch.py).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -86,12 +87,20 @@ def merge(mask: Traced | None, score: Traced | None):
     score_expr = None
     if score is not None:
         offset, n = len(tensors), len(params)
-        renumber = {p.symbol: param_symbol(n + i, isinstance(p.value, int)) for i, p in enumerate(score.params)}
-        score_expr = dag.transform(score.expr, lambda e: type(e)(e.args[0] + offset, *e.args[1:]) if is_load(e)
-                                   else renumber.get(e, e))
+        renumber = tuple((p.symbol, param_symbol(n + i, isinstance(p.value, int))) for i, p in enumerate(score.params))
+        score_expr = _renumbered(score.expr, offset, renumber)
         tensors += list(score.tensors)
-        params += [type(p)(renumber[p.symbol], p.value, p.origin) for p in score.params]
+        params += [type(p)(new, p.value, p.origin) for p, (_, new) in zip(score.params, renumber)]
     return mask_expr, score_expr, tuple(tensors), tuple(params)
+
+
+@functools.lru_cache(maxsize=512)  # a call with a block map merges on every call
+def _renumbered(expr: sympy.Basic, offset: int, renumber: tuple) -> sympy.Basic:
+    """`expr` with its loads' tensor slots moved up by `offset` and its parameters renamed by the
+    (old, new) pairs of `renumber`."""
+    names = dict(renumber)
+    return dag.transform(expr, lambda e: type(e)(e.args[0] + offset, *e.args[1:]) if is_load(e)
+                         else names.get(e, e))
 
 
 __all__ = ["KINDS", "KernelSource", "merge"]
