@@ -367,6 +367,40 @@ def test_depth_20_where_nests_run_end_to_end_in_polynomial_time():
     assert time.perf_counter() - start < 60
 
 
+def test_a_deep_nest_traced_afresh_each_step_plans_in_polynomial_time():
+    """A call with a block map plans on every call, with caches of its sympy steps. Keyed by
+    equality, an equal nest traced afresh (a mod defined inside the step, FlexAttention's idiom)
+    compared as a tree on every hit: 6-7 s a call at depth 12, no end at 20 (a review's
+    measurement). Keyed by identity it misses and costs a plan."""
+    import signal
+
+    from maskc.runtime import plan
+    from maskc.trace.mods import as_mask_mod, as_score_mod
+
+    q = torch.randn(1, 2, 256, 32)
+    mask = as_mask_mod(maskc.masks.causal)
+    block_map = maskc.block_map(maskc.masks.causal, 256, 256, B=1, H=2)
+
+    def step():
+        def score_on_score(score, b, h, q_idx, kv_idx):
+            for i in range(20):
+                score = torch.where(score > i * 0.1, score * 0.9, score + 0.03)
+            return score
+        score = as_score_mod(score_on_score)
+        plan.problem_of(q, q, q, mask, score, None, plan.traces_of(mask, score), block_map=block_map)
+
+    def expire(*_):
+        raise TimeoutError("planning a deep nest traced afresh took over 60 s")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, 60)
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 # -- captured tensors in narrow dtypes ---------------------------------------------------------
 @pytest.mark.parametrize("inputs", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float16])

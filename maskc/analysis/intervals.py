@@ -597,7 +597,7 @@ def doubtful_indices(exprs) -> tuple:
     return _doubtful(tuple(exprs))
 
 
-@functools.lru_cache(maxsize=512)
+@dag.identity_cache(maxsize=512)
 def _doubtful(exprs: tuple) -> tuple:
     # cached: a call with a block map asks on every call, and sympy's is_nonnegative is slow
     return tuple(i for e in exprs if e is not None for load in dag.atoms(e, *LOADS) for i in load.args[1:]
@@ -615,12 +615,23 @@ def indices_nonnegative(exprs, tensors, values: dict, extents: dict) -> bool:
     doubtful = doubtful_indices(exprs)
     if not doubtful:
         return True
-    if any(dag.atoms(i, *LOADS) for i in doubtful):  # an index read from a tensor: its values' ranges
+    reads_tensors, symbols = _indices_read(doubtful)
+    if reads_tensors:  # an index read from a tensor: its values' ranges
         return _nonnegative(doubtful, tensors, values, extents, tensors[0].device)
-    return _nonnegative_on_host(doubtful, tuple(values.items()), tuple(extents.items()))
+    # keyed by the values the indices read: a parameter they do not (a decoding step's offset
+    # in the mask, a softcap) changes nothing here
+    return _nonnegative_on_host(doubtful, tuple((k, v) for k, v in values.items() if k in symbols),
+                                tuple(extents.items()))
 
 
-@functools.lru_cache(maxsize=512)
+@dag.identity_cache(maxsize=512)
+def _indices_read(doubtful: tuple) -> tuple[bool, frozenset]:
+    """Whether any of the indices reads a captured tensor, and the symbols they read."""
+    return (any(dag.atoms(i, *LOADS) for i in doubtful),
+            frozenset().union(*(dag.free_symbols(i) for i in doubtful)))
+
+
+@dag.identity_cache(maxsize=512)
 def _nonnegative_on_host(doubtful: tuple, values: tuple, extents: tuple) -> bool:
     return _nonnegative(doubtful, (), dict(values), dict(extents), torch.device("cpu"))
 

@@ -17,11 +17,11 @@ slope * kv_idx alone would be ~10^5 at L = 131072, with 10^-2 absolute rounding 
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import sympy
 
+from maskc.trace import dag
 from maskc.trace.symbols import KV_IDX, Q_IDX, SCORE
 
 # The first query row of a program (pid_m * BLOCK_M); only separable scores print it.
@@ -37,7 +37,7 @@ class SeparableScore:
     column: sympy.Expr  # free of score and q_idx
 
 
-@functools.lru_cache(maxsize=512)  # a call with a block map asks on every call: 1-2 ms of sympy for ALiBi
+@dag.identity_cache(maxsize=512)  # a call with a block map asks on every call: 1-2 ms of sympy for ALiBi
 def separate(score_expr: sympy.Expr | None) -> SeparableScore | None:
     """The split of `score_expr`, or None when it has no such form (softcap's tanh, a table
     indexed by q_idx - kv_idx, a product of score with a position).

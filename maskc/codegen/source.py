@@ -7,7 +7,6 @@ runtime LaunchPlan (maskc/runtime/launch.py).
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -94,7 +93,7 @@ def merge(mask: Traced | None, score: Traced | None):
     return mask_expr, score_expr, tuple(tensors), tuple(params)
 
 
-@functools.lru_cache(maxsize=512)  # a call with a block map merges on every call
+@dag.identity_cache(maxsize=512)  # a call with a block map merges on every call
 def _renumbered(expr: sympy.Basic, offset: int, renumber: tuple) -> sympy.Basic:
     """`expr` with its loads' tensor slots moved up by `offset` and its parameters renamed by the
     (old, new) pairs of `renumber`."""

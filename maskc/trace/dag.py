@@ -8,6 +8,10 @@ between equal subexpressions.
 """
 from __future__ import annotations
 
+import functools
+import threading
+from collections import OrderedDict
+
 import sympy
 from sympy.functions.elementary.piecewise import ExprCondPair
 from sympy.logic.boolalg import And, Not, Or, Xor
@@ -60,3 +64,32 @@ def _rebuilt(node, args):
     if isinstance(node, (Not, sympy.Piecewise, ExprCondPair)):
         return sympy.Basic.__new__(type(node), *args)
     return node.func(*args)
+
+
+def identity_cache(maxsize: int):
+    """Memoise a pure function whose first argument is an expression or a tuple of them (None
+    allowed) by the identity of those expressions, the other arguments by value; the entries
+    keep the arguments alive, so that their ids stay theirs. An lru_cache would find a hit by
+    ==, which sympy answers by walking both trees: exponential in a nest's depth for an equal
+    expression traced afresh (a mod defined inside the training step; seconds at depth 12). A
+    fresh trace here misses and costs one call of the function."""
+    def wrap(fn):
+        entries: OrderedDict = OrderedDict()
+        lock = threading.Lock()
+
+        @functools.wraps(fn)
+        def cached(exprs, *rest):
+            key = (tuple(map(id, exprs)) if type(exprs) is tuple else id(exprs), *rest)
+            with lock:
+                hit = entries.get(key)
+                if hit is not None:
+                    entries.move_to_end(key)
+                    return hit[1]
+            result = fn(exprs, *rest)
+            with lock:
+                entries[key] = ((exprs, rest), result)
+                if len(entries) > maxsize:
+                    entries.popitem(last=False)
+            return result
+        return cached
+    return wrap
