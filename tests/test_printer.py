@@ -345,8 +345,18 @@ def _floats(draw, depth):
     if node == "max" and any(x.is_number and not x.is_Number for x in (a, b)):
         node = "+"
     return _built({"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "neg": lambda: -a,
-                   "max": lambda: sympy.Max(a, b), "abs": lambda: sympy.Abs(a), **_unevaluated(a, b),
+                   "max": lambda: _max(a, b), "abs": lambda: sympy.Abs(a), **_unevaluated(a, b),
                    "where": lambda: _where(a, b, draw(st.sampled_from(_RELATIONS)), draw(_floats(depth - 1)))}[node])
+
+
+def _max(a, b):
+    # sympy refused an unevaluated 0·score as "not comparable" in one CI run (its assumptions
+    # found it not real there; not reproduced in isolation): the draw tests sympy, not the printer
+    try:
+        return sympy.Max(a, b)
+    except ValueError:
+        clear_cache()
+        reject()
 
 
 def _where(a, b, relation, c):
