@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from maskc._slots import Slots
 from maskc.analysis.blockmap import BlockMap
 from maskc.runtime import plan, tiles
 from maskc.runtime.dtypes import accumulator, dot_precision, interpreter_safe, triton_accumulator
@@ -40,7 +41,7 @@ PROGRAMS_PER_SM = 2
 SPLIT_COST_TILES = 2
 _LOG2E = 1.4426950408889634
 
-DECODES = plan.Slots(64)
+DECODES = Slots(64)
 
 
 @dataclass(eq=False)

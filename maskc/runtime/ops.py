@@ -32,6 +32,7 @@ import weakref
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from maskc._slots import Slots
 from maskc.analysis.blockmap import BlockMap
 from maskc.runtime import decode as decoding
 from maskc.runtime import launch, plan
@@ -46,7 +47,7 @@ _lock = threading.Lock()
 _PENDING = 1024
 _NO_PAIRS = -1  # the token of a forward with no (q, kv) pair: its backward gives zeros
 _serials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_forwards = plan.Slots(_PENDING)
+_forwards = Slots(_PENDING)
 _counter = itertools.count()
 
 

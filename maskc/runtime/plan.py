@@ -6,13 +6,12 @@ hashing of expressions, block-map work or kernel lookup. Launching it is maskc/r
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 import triton
 
+from maskc._slots import Slots
 from maskc._version import __version__
 from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.build import block_map_of_trace as build_block_map
@@ -29,41 +28,6 @@ from maskc.trace.mods import as_mask_mod
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 _SLOTS = 64
-
-
-class Slots:
-    """A bounded map that drops its least recently used entry first, shared by threads: the
-    caches of plans and block maps."""
-
-    def __init__(self, size: int):
-        self._items: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-        self._size = size
-
-    def get(self, key):
-        with self._lock:
-            value = self._items.get(key)
-            if value is not None:
-                self._items.move_to_end(key)
-            return value
-
-    def put(self, key, value) -> None:
-        with self._lock:
-            self._items[key] = value
-            self._items.move_to_end(key)
-            if len(self._items) > self._size:
-                self._items.popitem(last=False)
-
-    def values(self) -> list:
-        with self._lock:
-            return list(self._items.values())
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 # The two caches of the runtime's plans (the kernels' is maskc/runtime/cache.py's KERNELS).

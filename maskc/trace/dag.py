@@ -9,12 +9,12 @@ between equal subexpressions.
 from __future__ import annotations
 
 import functools
-import threading
-from collections import OrderedDict
 
 import sympy
 from sympy.functions.elementary.piecewise import ExprCondPair
 from sympy.logic.boolalg import And, Not, Or, Xor
+
+from maskc._slots import Slots
 
 
 def postorder(expr) -> list:
@@ -74,22 +74,16 @@ def identity_cache(maxsize: int):
     expression traced afresh (a mod defined inside the training step; seconds at depth 12). A
     fresh trace here misses and costs one call of the function."""
     def wrap(fn):
-        entries: OrderedDict = OrderedDict()
-        lock = threading.Lock()
+        entries = Slots(maxsize)
 
         @functools.wraps(fn)
         def cached(exprs, *rest):
             key = (tuple(map(id, exprs)) if type(exprs) is tuple else id(exprs), *rest)
-            with lock:
-                hit = entries.get(key)
-                if hit is not None:
-                    entries.move_to_end(key)
-                    return hit[1]
+            hit = entries.get(key)
+            if hit is not None:
+                return hit[1]
             result = fn(exprs, *rest)
-            with lock:
-                entries[key] = ((exprs, rest), result)
-                if len(entries) > maxsize:
-                    entries.popitem(last=False)
+            entries.put(key, ((exprs, rest), result))
             return result
         return cached
     return wrap
