@@ -188,7 +188,8 @@ def timing():
             g, t = min(times["gluon"]), min(times["triton"])
             g2 = float("nan")
             if name in ("no mask", "causal"):  # two K/V stages instead of three
-                saved, hopper.CONFIG = hopper.CONFIG, hopper.CONFIG._replace(num_stages=2)
+                saved = hopper.CONFIG, hopper.CONFIG_D64
+                hopper.CONFIG, hopper.CONFIG_D64 = (c._replace(num_stages=2) for c in saved)
                 os.environ["MASKC_GLUON"] = "always"
                 plans.PLANS.clear()
                 try:
@@ -196,7 +197,7 @@ def timing():
                     g2 = triton.testing.do_bench(ours, warmup=25, rep=100)
                 except Exception as e:  # noqa: BLE001
                     print(f"2 stages failed: {type(e).__name__}: {str(e)[:200]}")
-                hopper.CONFIG = saved
+                hopper.CONFIG, hopper.CONFIG_D64 = saved
                 os.environ["MASKC_GLUON"] = "1"
                 plans.PLANS.clear()
             print(f"{name:22s} {D:4d} {auto:>7s} {g:8.3f} {g2:7.3f} {t:8.3f} {fl:8.3f} {sd:8.3f} {t / g:9.2f} "

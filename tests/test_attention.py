@@ -216,6 +216,13 @@ def test_plain_function_is_traced_on_first_use():
     check(q, k, v, mask_mod=plain, score_mod=lambda score, b, h, q_idx, kv_idx: score * 0.5)
 
 
+def test_a_cube_of_positions_in_a_score_does_not_wrap():
+    # The trace keeps no casts: (q_idx - kv_idx).float() ** 3 printed over int32 positions
+    # wrapped past a difference of 1290, a silent wrong answer (the GPU check at 4097 rows).
+    q, k, v = _qkv(1, 1, 1, 1344, 32, 16)
+    check(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: score + (q_idx - kv_idx).float() ** 3 * 1e-9)
+
+
 def test_float64():
     q, k, v = _qkv(1, 4, 2, 50, 45, 32, 16, dtype=torch.float64)
     check(q, k, v, mask_mod=masks.sliding_window(9), score_mod=scores.softcap(5.0), enable_gqa=True)

@@ -32,9 +32,10 @@ pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 SMEM_LIMIT = 232448  # bytes a Hopper block may have (227 KiB)
 
 
-def _compile(mask, score, D: int, kind: str = "hfwd", with_dq: bool = True):
-    """Render the Hopper forward (kind "hfwd") or dK/dV kernel ("hbwd", computing dQ too where
-    `with_dq`) for `mask` and `score` and compile it for sm_90 at head dim D."""
+def _compile(mask, score, D: int, kind: str = "hfwd", with_dq: bool = True, map_q_tile: int = 64):
+    """Render the Hopper forward (kind "hfwd", for a block map of `map_q_tile` rows) or dK/dV
+    kernel ("hbwd", computing dQ too where `with_dq`) for `mask` and `score` and compile it for
+    sm_90 at head dim D."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -52,7 +53,10 @@ def _compile(mask, score, D: int, kind: str = "hfwd", with_dq: bool = True):
     spec.loader.exec_module(module)
     name = KERNEL_NAMES[kind][0]
     fn = getattr(module, name)
-    config = hopper.CONFIG if kind == "hfwd" else hopper.BACKWARD[D]
+    if kind == "hfwd":
+        config, registers, consumer_registers = hopper.forward_tiles(D, map_q_tile, score is not None)
+    else:
+        config, registers, consumer_registers = hopper.BACKWARD[D], hopper.MAX_REGISTERS, None
 
     def desc(rows):
         layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], gl.bfloat16)
@@ -60,10 +64,10 @@ def _compile(mask, score, D: int, kind: str = "hfwd", with_dq: bool = True):
 
     constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN_KV=False, EVEN=False,
                       POSITIVE_SCALE=True, STAGES=config.num_stages, BH_GROUP=2, SPARSE_Q_MULTIPLE=1,
-                      SPARSE_KV_MULTIPLE=2, WITH_DQ=with_dq)
-    # the copy boxes' rows: the forward's q and out are a consumer's half of the q tile; the
+                      SPARSE_KV_MULTIPLE=2, WITH_DQ=with_dq, CONSUMER_REGS=consumer_registers)
+    # the copy boxes' rows: the forward's q and out are a consumer's 64 rows of the q tile; the
     # dK/dV kernel's k and v a consumer's half of the kv tile
-    rows = dict(Q=config.block_m // 2, Out=config.block_m // 2, K=config.block_n, V=config.block_n) if kind == "hfwd" \
+    rows = dict(Q=64, Out=64, K=config.block_n, V=config.block_n) if kind == "hfwd" \
         else dict(Q=config.block_m, DO=config.block_m, K=config.block_n // 2, V=config.block_n // 2)
     signature, constants = {}, {}
     tensors = {f"T{i}": t for i, t in enumerate(_captured(mt, st_))}
@@ -92,7 +96,7 @@ def _compile(mask, score, D: int, kind: str = "hfwd", with_dq: bool = True):
         else:
             signature[p] = "i32"
     return triton.compile(GluonASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": config.num_warps, "maxnreg": hopper.MAX_REGISTERS})
+                          options={"num_warps": config.num_warps, "maxnreg": registers})
 
 
 def _captured(mask, score):
@@ -119,10 +123,22 @@ CASES = [
 
 
 # about 10 s a compile on a CI core: every form at D=128, two at D=64
+# (at D=64 causal runs three consumers, ALiBi two: hopper.forward_tiles)
 @pytest.mark.parametrize("name, mask, score, D", [(*c, 128) for c in CASES] + [(*c, 64) for c in CASES[1:4:2]],
                          ids=[f"{c[0]}-128" for c in CASES] + [f"{c[0]}-64" for c in CASES[1:4:2]])
 def test_the_hopper_forward_compiles_for_sm90(name, mask, score, D):
     _check(_compile(mask, score, D))
+
+
+def test_the_d64_forward_takes_three_consumers_where_its_rows_fit():
+    assert hopper.forward_tiles(64, 64, scored=False)[0].block_m == 192
+    assert hopper.forward_tiles(64, 128, scored=False)[0] == hopper.CONFIG  # a caller's 128-row map
+    assert hopper.forward_tiles(64, 64, scored=True)[0] == hopper.CONFIG  # ALiBi spilled and lost
+    assert hopper.forward_tiles(128, 64, scored=False)[0] == hopper.CONFIG
+    # the two-consumer kernel at D=64, which a caller's 128-row map keeps
+    _check(_compile(masks.causal, None, 64, map_q_tile=128))
+    # three consumers' 160 registers each: ptxas (Triton 3.9) spills 96 bytes
+    assert _stack_bytes(_compile(None, None, 64)) <= 128
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))

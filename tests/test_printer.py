@@ -197,8 +197,12 @@ def test_nested_where_prints_in_linear_size():
     (SCORE + (KV_IDX - Q_IDX) * P0_FLOAT, "score + p0 * (kv_idx_f - q_idx_f)"),  # ALiBi
     (SCORE - Q_IDX + 3, "3 + score - q_idx_f"),
     ((Q_IDX - KV_IDX) * 2, "-2 * kv_idx + 2 * q_idx"),  # integer: stays integer
-    ((2 * Q_IDX - KV_IDX) * P0_FLOAT, "p0 * (-kv_idx + 2 * q_idx)"),  # not ±1: converted by Triton
+    ((2 * Q_IDX - KV_IDX) * P0_FLOAT, "p0 * (-kv_idx_f + 2 * q_idx_f)"),  # a polynomial in positions
     (SCORE * (KV_IDX - 2**25), "score * (-33554432 + kv_idx)"),  # beyond float32's exact integers
+    # a power or product of positions in float, where int32 would wrap (the next test)
+    (SCORE + (Q_IDX - KV_IDX) ** 3 / 1000,
+     "score + 0.001 * ((q_idx_f - kv_idx_f) * (q_idx_f - kv_idx_f) * (q_idx_f - kv_idx_f))"),
+    (SCORE - 3 * Q_IDX * KV_IDX * P0_FLOAT, "score - 3 * p0 * kv_idx_f * q_idx_f"),
 ], ids=str)
 def test_positions_in_float_expressions_are_float_vectors(expr, text):
     assert show(expr) == text

@@ -25,6 +25,9 @@ text of random expressions as Python and compares it with maskc's dense evaluati
   tile (an int-to-float conversion runs at a quarter of the FMA rate on Hopper). Exact while
   positions stay below 2^24; a sum of two terms rounds once either way. Integer arguments
   of float functions (exp, sin, 2**x, ...) are converted the same way, as torch does.
+  Products and powers of positions inside a float expression are computed in float too:
+  the trace keeps no casts, and `(q_idx - kv_idx).float() ** 3` printed over int32
+  positions wraps past a difference of 1290 (the GPU check's arctangent mod at 4097 rows).
 - A function of numbers alone (exp(3), 1/sqrt(pi) in erf's derivative) is printed as its
   float value: Triton's math functions take tensors, not Python numbers.
 - torch's integer operations: `&`, `|`, `^` as Triton's; shifts through `_lshift` /
@@ -58,6 +61,8 @@ from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE
 
 _NAMES = {B: "off_b", H: "off_h", Q_IDX: "q_idx", KV_IDX: "kv_idx", SCORE: "score"}
 _FLOAT_POSITIONS = {Q_IDX: "q_idx_f", KV_IDX: "kv_idx_f"}
+# the positions as real symbols, so that a polynomial in them prints as float arithmetic
+_FLOAT_SYMBOLS = {position: sympy.Symbol(name, real=True) for position, name in _FLOAT_POSITIONS.items()}
 # A shared subexpression this short (a name, a literal, one operation on names) is repeated
 # rather than named: reading it costs less than looking up a statement.
 _INLINE_CHARS = 24
@@ -287,7 +292,8 @@ class TritonPrinter(CodePrinter):
             return True, self._text(-a)
         if a.is_Mul and a.args[0].is_Number and a.args[0].is_negative:
             coefficient = [] if a.args[0] is sympy.S.NegativeOne else [self._text(-a.args[0])]
-            return True, _join(coefficient + [self._factor(f, not a.is_integer) for f in a.args[1:]], "*", _Prec.MUL)
+            return True, _join(coefficient + [self._factor(f, floats or not a.is_integer) for f in a.args[1:]], "*",
+                               _Prec.MUL)
         return False, self._factor(a, floats)
 
     def _print_Mul(self, e):
@@ -299,8 +305,12 @@ class TritonPrinter(CodePrinter):
 
     def _factor(self, a, floats) -> _Text:
         """A term of a sum or a factor of a product: over the float positions where the sum or
-        product is a float and `a` a sum of positions."""
-        return self._float_positions(a) if floats and _position_sum(a) else self._text(a)
+        product is a float and `a` a sum of positions, or a polynomial in them."""
+        if floats and _position_sum(a):
+            return self._float_positions(a)
+        if floats and _position_polynomial(a):
+            return self._text(a.xreplace(_FLOAT_SYMBOLS))
+        return self._text(a)
 
     def _float_positions(self, e) -> _Text:
         if e.is_Add:
@@ -325,6 +335,8 @@ class TritonPrinter(CodePrinter):
             return _literal(repr(float(e)))
         if _position_sum(e):
             return self._float_positions(e)
+        if _position_polynomial(e):
+            return self._text(e.xreplace(_FLOAT_SYMBOLS))
         return _atom(f"{_attribute_of(self._text(e))}.to(tl.float32)")
 
     def _print_Pow(self, e):
@@ -557,6 +569,22 @@ def _position_sum(e) -> bool:
     terms = e.args if e.is_Add else (e,)
     return all(_position_term(t) or (t.is_Integer and abs(int(t)) < 2**24) for t in terms) and any(
         _position_term(t) for t in terms)
+
+
+def _position_polynomial(e) -> bool:
+    """Whether `e` is a polynomial in the positions with integer coefficients (sums, products
+    and powers of at most 64 of position sums and integer literals), a position in it."""
+    def polynomial(x) -> bool:
+        if x.is_Integer:
+            return abs(int(x)) < 2**24
+        if x.is_Pow:
+            return x.exp.is_Integer and 1 < int(x.exp) <= 64 and polynomial(x.base)
+        if x.is_Add or x.is_Mul:
+            return all(polynomial(a) for a in x.args)
+        return x in _FLOAT_POSITIONS
+    # the walk stops at the first node of another kind; free_symbols walks the whole tree, which
+    # for a nest of torch.where is exponential, so it comes last
+    return polynomial(e) and bool(e.free_symbols)
 
 
 def _position_term(t) -> bool:

@@ -58,6 +58,16 @@ HEAD_DIMS = (64, 128)
 # registers fill the register file, and the producer's 24 leave 240 for each consumer thread.
 CONFIG = tiles.TileConfig(128, 128, 4, 3)
 MAX_REGISTERS = 168
+CONSUMER_REGISTERS = 240
+# At D=64 without a score mod: three consumer warpgroups (192 query rows), FlashAttention 3's
+# layout at hdim 64, a third softmax to fill the exp2 and tensor pipes' gaps. 16 warps of 128
+# registers fill the register file; the consumers get 160 each. On an H200 (benchmarks/NOTES.md)
+# the forward went 2.40 -> 2.10 ms on no mask, 1.31 -> 1.28 causal, 1.37 -> 1.30 prefix-LM, but
+# ALiBi's score terms made ptxas spill (296 bytes against no mask's 96) and it lost, 1.54 ->
+# 1.91: score mods keep CONFIG, as does a caller's block map whose q tile does not divide 192.
+CONFIG_D64 = tiles.TileConfig(192, 128, 4, 3)
+MAX_REGISTERS_D64 = 128
+CONSUMER_REGISTERS_D64 = 160
 # The dK/dV kernel (templates/attention_bwd_hopper.py.jinja): block_m the q tile it loops over
 # (wgmma's 64 rows, which dQ's product needs), block_n its 128 kv rows (two consumer warpgroups
 # of 64), two Q/dO stages. Its consumers' 240 registers hold dK and dV (128) and a tile's S and
@@ -145,6 +155,15 @@ def computes_dq(problem) -> bool:
             and not _failed(problem, "hbwd+dq"))
 
 
+def forward_tiles(head_dim: int, map_q_tile: int, scored: bool) -> tuple[tiles.TileConfig, int, int]:
+    """The Gluon forward's tiles, a thread's registers at launch and each worker consumer's:
+    three consumers at D=64 without a score mod (`scored`) where the block map's q tile divides
+    their 192 rows (BlockMap.for_tiles), else two."""
+    if head_dim == 64 and not scored and CONFIG_D64.block_m % map_q_tile == 0:
+        return CONFIG_D64, MAX_REGISTERS_D64, CONSUMER_REGISTERS_D64
+    return CONFIG, MAX_REGISTERS, CONSUMER_REGISTERS
+
+
 def _faster(problem) -> bool:
     if problem.score is not None and not problem.forward_kernel.kernel_source.split_score:
         return False
@@ -228,7 +247,7 @@ def _size_key(problem, key: str) -> tuple:
 def descriptors(q, k, v, out):
     """Gluon tensor descriptors of q, k, v and out over [B, H, L, D] for the forward, or None
     where one cannot have one (the copy engine's alignment rules)."""
-    rows = (CONFIG.block_m // 2, CONFIG.block_n, CONFIG.block_n, CONFIG.block_m // 2)
+    rows = (CONFIG.block_m // 2, CONFIG.block_n, CONFIG.block_n, CONFIG.block_m // 2)  # q, out: a consumer's 64
     return _descriptors((q, k, v, out), [[1, 1, n, t.shape[3]] for n, t in zip(rows, (q, k, v, out))])
 
 
@@ -257,6 +276,7 @@ def _descriptors(tensors, blocks):
     return found
 
 
-__all__ = ["BACKWARD", "CONFIG", "HEAD_DIMS", "MAX_REGISTERS", "MIN_TILES_PER_ROW",
-           "backward_descriptors", "compile_later", "computes_dq", "descriptors", "failed", "in_background", "runs",
-           "runs_backward", "settle"]
+__all__ = ["BACKWARD", "CONFIG", "CONFIG_D64", "CONSUMER_REGISTERS", "CONSUMER_REGISTERS_D64", "HEAD_DIMS",
+           "MAX_REGISTERS", "MAX_REGISTERS_D64", "MIN_TILES_PER_ROW", "backward_descriptors", "compile_later",
+           "computes_dq", "descriptors", "failed", "forward_tiles", "in_background", "runs", "runs_backward",
+           "settle"]

@@ -277,17 +277,17 @@ def _launch_gluon(problem: Problem, key: str, make_plan, values, prepare=None) -
 
 def _hopper_plan(problem: Problem) -> LaunchPlan:
     """The Gluon forward's launch (maskc/runtime/hopper.py)."""
-    config = hopper.CONFIG
+    config, registers, consumer_registers = hopper.forward_tiles(problem.D, problem.tiles.sparse[0], problem.score is not None)
     kernel = problem.kernel("hfwd")
     scale = problem.scale if problem.score is not None else problem.scale * _LOG2E
     fixed = dict(
         num_heads=problem.Hq, group_size=problem.Hq // problem.Hkv, q_len=problem.Lq, kv_len=problem.Lkv,
         **_map_args(problem, config), **problem.captured, qk_scale=scale, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, EVEN_KV=problem.Lkv % config.block_n == 0, POSITIVE_SCALE=problem.scale > 0,
-        STAGES=config.num_stages, BH_GROUP=bh_group(problem.D))
+        STAGES=config.num_stages, CONSUMER_REGS=consumer_registers, BH_GROUP=bh_group(problem.D))
     grid = (-(-problem.Lq // config.block_m), problem.B * problem.Hq)
     return LaunchPlan(kernel, "attention_fwd_hopper", False, grid, fixed, ("Q", "K", "V", "Out", "Lse"),
-                      dict(num_warps=config.num_warps, maxnreg=hopper.MAX_REGISTERS))
+                      dict(num_warps=config.num_warps, maxnreg=registers))
 
 
 def seconds(q, k, v, problem: Problem) -> float:
