@@ -227,6 +227,20 @@ def test_operators_pass_opcheck():
                           (q, k, v, out, lse, token, torch.randn_like(out), None))
 
 
+def test_the_backward_returns_gradients_in_the_layout_its_fake_kernel_promises():
+    # A model's q, k and v are [B, L, H, D] transposed; the gradients come back in that layout,
+    # as torch.empty_like says in the fake kernel, which Inductor's graph asserts (a 1B Llama's
+    # compiled step failed there, dQ from the Gluon kernel; on CPU: k and v shared by a batch)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, 24, 2, 16, generator=g).transpose(1, 2) for batch in (2, 1, 1))
+    keys = (masks.causal.key, "", None)
+    out, lse, token = torch.ops.maskc.attention(q, k, v, *keys, None, False, [], [0, 0, 0, 0])
+    args = (q, k, v, out, lse, token, torch.randn_like(out), None)
+    torch.library.opcheck(torch.ops.maskc.attention_backward.default, args)
+    for grad, t in zip(torch.ops.maskc.attention_backward(*args), (q, k, v)):
+        assert grad.stride() == t.stride()
+
+
 def test_a_plain_function_under_compile_is_refused_with_the_fix():
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx

@@ -245,12 +245,22 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
                            f"{_PENDING} other plans ran since; run the backward sooner after its forward")
     B = q.shape[0]
     shared = k.shape[0] != B
-    if shared:
-        k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
-    dq, dk, dv = launch.backward(q, k, v, out, lse, d_out, d_lse, problem)
+    batched = (k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)) if shared else (k, v)
+    dq, dk, dv = launch.backward(q, *batched, out, lse, d_out, d_lse, problem)
     if shared:  # k and v served every batch of q: their gradients sum over it
         dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
-    return dq, dk, dv
+    return _like(dq, q), _like(dk, k), _like(dv, v)
+
+
+def _like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`grad` in the layout `_backward_fake` promises, torch.empty_like(t)'s: a compiled graph
+    asserts it. The kernels' gradients are contiguous where their inputs are views (a model's
+    [B, L, H, D] transposed; dQ summed in float32 by the Gluon kernel, dK and dV summed over a
+    shared batch): Inductor's graph failed on a 1B Llama's step with a stride mismatch."""
+    if grad.is_contiguous() and t.is_contiguous():
+        return grad
+    like = torch.empty_like(t)
+    return grad if like.stride() == grad.stride() else like.copy_(grad)
 
 
 @_backward.register_fake
