@@ -370,6 +370,8 @@ def _where(a, b, relation, c):
 def _built(make):
     """make(), a sympy construction of drawn parts, or the draw rejected.
 
+    A draw that divides by zero (sympy's complex infinity `zoo`, one CI run) is rejected too.
+
     NOTE: sympy's own evaluation fails on some draws: a Piecewise nest recursed without end in
     one CI run, a relation over one found its assumptions inconsistent in another, and an
     equality of floor terms recursed through rewrite(frac) in a third, and a Piecewise whose
@@ -377,10 +379,13 @@ def _built(make):
     fourth. Each leaves sympy's caches half written, so they are cleared, and the draw is
     rejected: it tests sympy, not the printer."""
     try:
-        return make()
+        built = make()
     except (RecursionError, InconsistentAssumptions, KeyError):
         clear_cache()
         reject()
+    if built.has(sympy.zoo):  # a drawn division by zero, which the tracer refuses (test_input_errors)
+        reject()
+    return built
 
 
 class _Array(np.ndarray):

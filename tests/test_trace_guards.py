@@ -328,6 +328,15 @@ def test_nan_in_a_score_mod_is_refused():
         maskc.score_mod(lambda score, b, h, q_idx, kv_idx: score * nan)
 
 
+def test_a_division_by_zero_is_refused_with_the_rule():
+    # sympy's x / 0 is complex infinity, signless: the printer had no rule for it and said so
+    # in a message for maskc's developers
+    with pytest.raises(ValueError, match="score_mod '<lambda>' divides by zero; .* divide by a nonzero number"):
+        maskc.score_mod(lambda score, b, h, q_idx, kv_idx: score / 0.0)
+    with pytest.raises(ValueError, match="mask_mod '<lambda>' divides by zero"):
+        maskc.mask_mod(lambda b, h, q_idx, kv_idx: q_idx / 0 > kv_idx)
+
+
 @pytest.mark.parametrize("window", [float("inf"), float("-inf")])
 def test_infinite_window_in_a_mask_works(monkeypatch, window):
     monkeypatch.setattr(THIS, "WINDOW", window)

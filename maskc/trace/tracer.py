@@ -391,6 +391,11 @@ def _trace_once(target, kind, name, filename, lineno, structural) -> Traced:
         raise
     if rebinder.infinite and expr.has(sympy.oo, -sympy.oo, sympy.zoo, sympy.nan):
         raise _infinity_error(name, rebinder.infinite)
+    # sympy's x / 0 is complex infinity, without the sign torch's ±inf has (walked as a DAG: a
+    # nest of torch.where is exponential as a tree)
+    if dag.atoms(expr, sympy.core.numbers.ComplexInfinity):
+        raise ValueError(f"{kind} '{name}' divides by zero; torch gives ±inf or nan there, which attention turns "
+                         f"into nan rows: divide by a nonzero number")
     traced = _renumber(kind, name, expr, rebinder.params, state.tensors, tuple(rebinder.guards),
                        rebinder.param_guards)
     _check_values(traced)
