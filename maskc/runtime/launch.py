@@ -277,7 +277,8 @@ def _launch_gluon(problem: Problem, key: str, make_plan, values, prepare=None) -
 
 def _hopper_plan(problem: Problem) -> LaunchPlan:
     """The Gluon forward's launch (maskc/runtime/hopper.py)."""
-    config, registers, consumer_registers = hopper.forward_tiles(problem.D, problem.tiles.sparse[0], problem.score is not None)
+    config, registers, consumer_registers = hopper.forward_tiles(problem.D, problem.tiles.sparse[0],
+                                                                 scored=problem.score is not None)
     kernel = problem.kernel("hfwd")
     scale = problem.scale if problem.score is not None else problem.scale * _LOG2E
     fixed = dict(
