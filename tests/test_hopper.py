@@ -67,7 +67,8 @@ def _compile(mask, score, D: int, kind: str = "hfwd", with_dq: bool = True, map_
                       SPARSE_KV_MULTIPLE=2, WITH_DQ=with_dq, CONSUMER_REGS=consumer_registers)
     # the copy boxes' rows: the forward's q and out are a consumer's 64 rows of the q tile; the
     # dK/dV kernel's k and v a consumer's half of the kv tile
-    rows = dict(Q=64, Out=64, K=config.block_n, V=config.block_n) if kind == "hfwd" \
+    consumer = hopper.CONSUMER_ROWS
+    rows = dict(Q=consumer, Out=consumer, K=config.block_n, V=config.block_n) if kind == "hfwd" \
         else dict(Q=config.block_m, DO=config.block_m, K=config.block_n // 2, V=config.block_n // 2)
     signature, constants = {}, {}
     tensors = {f"T{i}": t for i, t in enumerate(_captured(mt, st_))}
@@ -252,14 +253,14 @@ def test_the_dkdv_kernels_dq_sum_has_a_descriptor():
 def test_descriptors_follow_the_copy_engines_rules():
     q = torch.zeros(2, 4, 100, 128, dtype=torch.bfloat16)
     k = torch.zeros(2, 2, 300, 128, dtype=torch.bfloat16)
-    found = hopper.descriptors(q, k, k, q)
+    found = hopper.descriptors(q, k, k, q, hopper.CONFIG)
     assert [d.block_shape for d in found] == [[1, 1, 64, 128], [1, 1, 128, 128], [1, 1, 128, 128], [1, 1, 64, 128]]
     # q and out share one block and layout: the kernel writes out through q's buffer
     assert found[0].layout == found[3].layout
     # a [B, L, H, D] tensor seen as [B, H, L, D] is fine; a last dim that is not contiguous is not
-    assert hopper.descriptors(q.transpose(1, 2).contiguous().transpose(1, 2), k, k, q) is not None
-    assert hopper.descriptors(q.transpose(2, 3), k, k, q) is None
-    assert hopper.descriptors(q, k[:, :, :, 1:121], k, q) is None  # a base 2 bytes past 16-byte alignment
+    assert hopper.descriptors(q.transpose(1, 2).contiguous().transpose(1, 2), k, k, q, hopper.CONFIG) is not None
+    assert hopper.descriptors(q.transpose(2, 3), k, k, q, hopper.CONFIG) is None
+    assert hopper.descriptors(q, k[:, :, :, 1:121], k, q, hopper.CONFIG) is None  # 2 bytes past 16-byte alignment
 
 
 def test_a_failed_first_launch_warns_and_runs_the_triton_forward(monkeypatch):
@@ -272,7 +273,7 @@ def test_a_failed_first_launch_warns_and_runs_the_triton_forward(monkeypatch):
 
     monkeypatch.setattr(hopper, "_failures", {})
     monkeypatch.setattr(hopper, "runs", lambda problem: "hfwd" not in hopper._failures)
-    monkeypatch.setattr(hopper, "descriptors", lambda q, k, v, out: [q, k, v, out])
+    monkeypatch.setattr(hopper, "descriptors", lambda q, k, v, out, config: [q, k, v, out])
     monkeypatch.setattr(launch, "_hopper_plan", broken)
     plan.PLANS.clear()
     q, k, v = (torch.randn(1, 2, 100, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
@@ -310,7 +311,7 @@ def _gluon_everywhere(monkeypatch, fake):
     from maskc.runtime import launch
     monkeypatch.setattr(hopper, "_failures", {})
     monkeypatch.setattr(hopper, "runs", lambda problem: "hfwd" not in hopper._failures)
-    monkeypatch.setattr(hopper, "descriptors", lambda q, k, v, out: [q, k, v, out])
+    monkeypatch.setattr(hopper, "descriptors", lambda q, k, v, out, config: [q, k, v, out])
     monkeypatch.setattr(launch, "_hopper_plan", lambda problem: fake)
     plan.PLANS.clear()
 

@@ -57,6 +57,8 @@ HEAD_DIMS = (64, 128)
 # kernel's 4 warps plus a 4-warp consumer and a producer warp (allocated as 4): 12 warps of 168
 # registers fill the register file, and the producer's 24 leave 240 for each consumer thread.
 CONFIG = tiles.TileConfig(128, 128, 4, 3)
+# a consumer warpgroup's query rows (wgmma's 64), the copy box of Q and Out in the forward
+CONSUMER_ROWS = 64
 MAX_REGISTERS = 168
 CONSUMER_REGISTERS = 240
 # At D=64 without a score mod: three consumer warpgroups (192 query rows), FlashAttention 3's
@@ -244,10 +246,11 @@ def _size_key(problem, key: str) -> tuple:
     return key, problem.forward_kernel.source, problem.D, problem.Dv, problem.dtype
 
 
-def descriptors(q, k, v, out):
-    """Gluon tensor descriptors of q, k, v and out over [B, H, L, D] for the forward, or None
-    where one cannot have one (the copy engine's alignment rules)."""
-    rows = (CONFIG.block_m // 2, CONFIG.block_n, CONFIG.block_n, CONFIG.block_m // 2)  # q, out: a consumer's 64
+def descriptors(q, k, v, out, config: tiles.TileConfig):
+    """Gluon tensor descriptors of q, k, v and out over [B, H, L, D] for the forward with
+    `config`'s tiles (forward_tiles), or None where one cannot have one (the copy engine's
+    alignment rules)."""
+    rows = (CONSUMER_ROWS, config.block_n, config.block_n, CONSUMER_ROWS)
     return _descriptors((q, k, v, out), [[1, 1, n, t.shape[3]] for n, t in zip(rows, (q, k, v, out))])
 
 
@@ -276,7 +279,7 @@ def _descriptors(tensors, blocks):
     return found
 
 
-__all__ = ["BACKWARD", "CONFIG", "CONFIG_D64", "CONSUMER_REGISTERS", "CONSUMER_REGISTERS_D64", "HEAD_DIMS",
-           "MAX_REGISTERS", "MAX_REGISTERS_D64", "MIN_TILES_PER_ROW", "backward_descriptors", "compile_later",
-           "computes_dq", "descriptors", "failed", "forward_tiles", "in_background", "runs", "runs_backward",
-           "settle"]
+__all__ = ["BACKWARD", "CONFIG", "CONFIG_D64", "CONSUMER_REGISTERS", "CONSUMER_REGISTERS_D64", "CONSUMER_ROWS",
+           "HEAD_DIMS", "MAX_REGISTERS", "MAX_REGISTERS_D64", "MIN_TILES_PER_ROW", "backward_descriptors",
+           "compile_later", "computes_dq", "descriptors", "failed", "forward_tiles", "in_background", "runs",
+           "runs_backward", "settle"]

@@ -193,7 +193,7 @@ def forward(q, k, v, problem: Problem):
     out = torch.empty((problem.B, problem.Hq, problem.Lq, problem.Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((problem.B, problem.Hq, problem.Lq), dtype=accumulator(q.dtype), device=q.device)
     if hopper.runs(problem):
-        tma = hopper.descriptors(q, k, v, out)
+        tma = hopper.descriptors(q, k, v, out, _gluon_forward_tiles(problem)[0])
         if tma is not None and _launch_gluon(problem, "hfwd", _hopper_plan, (*tma, lse)):
             return out, lse
     config = problem.tiles.forward
@@ -275,10 +275,13 @@ def _launch_gluon(problem: Problem, key: str, make_plan, values, prepare=None) -
     return True
 
 
+def _gluon_forward_tiles(problem: Problem) -> tuple[TileConfig, int, int]:
+    return hopper.forward_tiles(problem.D, problem.tiles.sparse[0], scored=problem.score is not None)
+
+
 def _hopper_plan(problem: Problem) -> LaunchPlan:
     """The Gluon forward's launch (maskc/runtime/hopper.py)."""
-    config, registers, consumer_registers = hopper.forward_tiles(problem.D, problem.tiles.sparse[0],
-                                                                 scored=problem.score is not None)
+    config, registers, consumer_registers = _gluon_forward_tiles(problem)
     kernel = problem.kernel("hfwd")
     scale = problem.scale if problem.score is not None else problem.scale * _LOG2E
     fixed = dict(
