@@ -118,7 +118,7 @@ def _can_run(problem) -> bool:
     tensors' own layout, which the descriptors check per call, and the forward's tiles)."""
     # the problem's own facts first: the interpreter's calls and other shapes read no setting
     return not (problem.interpret or problem.dtype not in (torch.float16, torch.bfloat16) or problem.D != problem.Dv
-                or problem.D not in HEAD_DIMS or problem.Lq < CONFIG.block_m // 2 or problem.Lkv < CONFIG.block_n
+                or problem.D not in HEAD_DIMS or problem.Lq < CONSUMER_ROWS or problem.Lkv < CONFIG.block_n
                 or not _is_hopper(problem.device) or _gluon() is None)
 
 
