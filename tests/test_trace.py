@@ -89,6 +89,10 @@ def combines_string(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx + "1"
 
 
+def reduces_with_max(b, h, q_idx, kv_idx):
+    return torch.max(q_idx - kv_idx, 0).values >= 0
+
+
 def score_returns_bool(score, b, h, q_idx, kv_idx):
     return score >= 0
 
@@ -128,6 +132,7 @@ UNTRACEABLE = [
      "index it with one traced value or integer per dimension"),
     (indexes_with_too_few, "mask_mod", 1, "indexes a captured tensor of 2 dimensions with 1 indices",
      "give one index per dimension"),
+    (reduces_with_max, "mask_mod", 1, "reduces a traced value with torch.max or torch.min", "use torch.maximum(a, b)"),
     (ands_floats, "mask_mod", 1, "applies '&' to a floating-point value", "convert with .long() first"),
     (inverts_float, "mask_mod", 1, "applies '~' to a floating-point value", "convert with .long() first"),
     (combines_string, "mask_mod", 1, "combines a traced value with an object of type str",

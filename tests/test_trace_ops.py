@@ -131,9 +131,14 @@ def test_an_unknown_tensor_method_names_itself():
     # it could compare ("LoadFloat(0) is not comparable")
     lambda s, b, h, q, kv: torch.maximum(s, torch.tensor(-0.5)) + torch.minimum(s, SCALE_T) + s.clamp(max=SCALE_T)
     + torch.maximum(s, torch.full_like(s, 0.1).half()),  # a rounded constant is no number sympy can compare
+    # torch.min/max of two tensors is elementwise (transformers' T5 decoder bucket writes
+    # -torch.min(relative_position, torch.zeros_like(relative_position))); the tracer called
+    # itself there and refused every such call as a reduction
+    lambda s, b, h, q, kv: s - torch.min(kv - q, torch.zeros_like(q)) + torch.max(s, torch.tensor(-0.5))
+    + s.max(torch.zeros_like(s)) - s.min(q / 8),
 ], ids=["captured_operator", "captured_method", "special", "functional", "gelu", "softplus", "elu_selu_erfc", "atan",
         "exp2_trig_sign", "square_pow_erf", "like", "zeros_like_tensor", "div_trunc", "div_floor", "fmod_remainder",
-        "clamp", "maximum_captured_scalar"])
+        "clamp", "maximum_captured_scalar", "min_max_of_two"])
 def test_torch_functions_trace_to_what_torch_computes(fn):
     assert_score_traces(fn)
 

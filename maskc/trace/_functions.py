@@ -125,12 +125,12 @@ def _scaled(b, alpha):
 
 def _extreme_or_reduction(fn, elementwise: str):
     # torch.max(a, b) is elementwise only when b is a tensor; torch.max(a) and torch.max(a, dim) reduce
-    def extreme(a, b=None, *rest, **kwargs):
+    def extreme_or_reduction(a, b=None, *rest, **kwargs):
         if isinstance(b, (P.Proxy, torch.Tensor)) and not rest and not kwargs:
             return extreme(a, b, fn)
         _context.fail("reduces a traced value with torch.max or torch.min", f"use torch.{elementwise}(a, b)")
 
-    return extreme
+    return extreme_or_reduction
 
 
 def _sigmoid(e):
