@@ -2,6 +2,7 @@
 again when one changed; the callables FlexAttention accepts; captured values no kernel can hold;
 tracing from several threads."""
 import functools
+import math
 import sys
 import threading
 import timeit
@@ -477,3 +478,43 @@ def test_captured_count_in_range_becomes_a_constant(monkeypatch):
     five = mod.traced
     assert five.signature != three.signature
     assert_block_map_exact(mod, 40, 40, (16, 16))
+
+
+MAX_DISTANCE = 128
+
+
+def test_python_decisions_on_captured_numbers_make_them_constants(monkeypatch):
+    """Arithmetic on captured numbers alone that Python itself decides (`if WINDOW > 0`,
+    min(WINDOW, 5), int(WINDOW / 2)) is decided as FlexAttention decides it: the numbers are
+    traced again as constants. It was refused as Python control flow on a traced value."""
+    def decides(b, h, q_idx, kv_idx):
+        if WINDOW > 0:
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < min(WINDOW, 5) + int(WINDOW / 2))
+        return q_idx >= kv_idx
+
+    mod = as_mask_mod(decides)
+    for window in (4, 9, 0):
+        monkeypatch.setattr(THIS, "WINDOW", window)
+        assert mod.traced.params == ()
+        _assert_traces_like_eager(decides)
+        assert_block_map_exact(mod, 40, 40, (16, 16))
+    assert mod.signature == masks.causal.signature
+
+
+def test_math_on_a_captured_number_in_a_score(monkeypatch):
+    # T5's relative-position bucket: math.log(max_distance / max_exact) of a bound number
+    def log_scaled(score, b, h, q_idx, kv_idx):
+        return score + torch.log((q_idx - kv_idx).abs().float() + 1) / math.log(MAX_DISTANCE / 8)
+
+    q, k, v = _inputs()
+    _assert_attention_matches(q, k, v, score_mod=log_scaled)
+    monkeypatch.setattr(THIS, "MAX_DISTANCE", 32)
+    _assert_attention_matches(q, k, v, score_mod=log_scaled)
+
+
+def test_python_decisions_on_positions_are_still_refused():
+    def decides_on_position(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx if q_idx > WINDOW else q_idx == kv_idx
+
+    with pytest.raises(MaskTraceError, match="uses Python control flow"):
+        maskc.mask_mod(decides_on_position)

@@ -15,7 +15,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import maskc.integrations.transformers as maskc_hf  # noqa: E402  (after the importorskip)
+import maskc  # noqa: E402  (after the importorskip)
+import maskc.integrations.transformers as maskc_hf  # noqa: E402
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=128, initializer_range=0.1)
@@ -224,3 +225,27 @@ def test_mask_structures_tell_windows_apart_and_ignore_tensors():
         return found
 
     assert unbound()
+
+
+@pytest.mark.parametrize("bidirectional", [True, False], ids=["encoder", "decoder"])
+def test_t5_relative_position_bucket_runs_as_transformers_writes_it(bidirectional):
+    """T5's bucket function, unchanged, bound by functools.partial as a score mod's bias table
+    index: math.log of its bound numbers and the decoder's two-tensor torch.min were refused."""
+    import functools
+
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    from maskc.testing.reference import attention_reference
+
+    bucket = functools.partial(T5Attention._relative_position_bucket, bidirectional=bidirectional, num_buckets=32,
+                               max_distance=32)
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(32, 2, generator=g)
+
+    def t5_bias(score, b, h, q_idx, kv_idx):
+        return score + table[bucket(kv_idx - q_idx), h]
+
+    q, k, v = (torch.randn(1, 2, 70, 16, generator=g) for _ in range(3))
+    out = maskc.compiled_attention(q, k, v, score_mod=t5_bias)
+    ref, _ = attention_reference(q, k, v, score_mod=t5_bias)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)

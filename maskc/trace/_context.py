@@ -25,6 +25,20 @@ class TraceState:
     lineno: int
     user_codes: set = field(default_factory=set)  # shared with the tracer, which adds codes as it rebinds them
     tensors: list = field(default_factory=list)
+    # symbol -> origin ("window", "mods[1].prefix") of each captured number made a parameter;
+    # shared with the tracer, which adds them as it rebinds captures
+    param_origins: dict = field(default_factory=dict)
+
+
+class Structural(BaseException):
+    """Captured numbers (`origins`) reached int(), float(), bool() or a comparison Python
+    itself decides (`if window > 0`, min(window, 5), math.log(max_distance / 8)): they
+    decide the structure of the trace, not just a value in it, and the trace starts again with
+    them as constants. A BaseException, so that a mod's own `except Exception` cannot swallow it."""
+
+    def __init__(self, origins: frozenset):
+        super().__init__(", ".join(sorted(origins)))
+        self.origins = origins
 
 
 _local = threading.local()

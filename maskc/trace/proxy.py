@@ -195,14 +195,28 @@ class Proxy:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return call(func, *args, **(kwargs or {}))
 
-    # -- what cannot be traced -------------------------------------------------------------
+    # -- what cannot be traced, unless it is made of captured numbers only ------------------
+    def _captured_only(self):
+        """Raise _context.Structural where this value is arithmetic on captured numbers alone
+        (no position, score or tensor element): Python may then take it as a number, as it
+        does in FlexAttention, and the trace starts again with those numbers as constants."""
+        state = _context.current()
+        if state is None:
+            return
+        symbols = self.expr.free_symbols
+        if symbols and symbols <= state.param_origins.keys() and not dag.atoms(self.expr, LoadInt, LoadFloat,
+                                                                               LoadBool):
+            raise _context.Structural(frozenset(state.param_origins[s] for s in symbols))
+
     def __bool__(self):
+        self._captured_only()
         _context.fail(
             "uses Python control flow ('if', 'and', 'or', 'not', bool() or builtin min/max) on a traced value",
             "use torch.where(cond, a, b), torch.minimum/maximum, or & | ~ instead",
         )
 
     def __index__(self):
+        self._captured_only()
         _context.fail(
             "converts a traced value to a Python int (int(), range(), or indexing a list)",
             "index a captured torch tensor instead, or keep the value symbolic",
@@ -211,6 +225,7 @@ class Proxy:
     __int__ = __index__
 
     def __float__(self):
+        self._captured_only()
         _context.fail("converts a traced value to a Python float", "keep the value symbolic")
 
     def __iter__(self):

@@ -135,6 +135,7 @@ class _Rebinder:
         self.kind = kind
         self.structural = structural  # origins of captured numbers kept as Python numbers
         self.params: list[tuple[sympy.Symbol, int | float, str]] = []
+        self.origins: dict[sympy.Symbol, str] = {}  # the trace state's param_origins
         self.infinite: list[tuple[str, float]] = []  # (origin, value) of infinities folded into a mask
         self.codes: set = set()
         self.guards: list[Guard] = []
@@ -164,7 +165,8 @@ class _Rebinder:
                 return value
             symbol = param_symbol(len(self.params), isinstance(value, int))
             self.params.append((symbol, value, origin))
-            return _Captured(symbol, origin)
+            self.origins[symbol] = origin
+            return Proxy(symbol)
         done = self._done.get(id(value))
         if done is not None:
             return done[1]
@@ -263,33 +265,6 @@ class _Instance:
         return self._maskc_call(self, *args, **kwargs)
 
 
-class _Structural(BaseException):
-    """A captured number reached int(), range(), float() or a list index: it decides the
-    structure of the trace, not just a value in it. A BaseException, so that a mod's own
-    `except Exception` cannot swallow it."""
-
-    def __init__(self, origin: str):
-        super().__init__(origin)
-        self.origin = origin
-
-
-class _Captured(Proxy):
-    """The proxy of a captured number (a runtime parameter) until the mod converts it to a
-    Python number; then the trace starts again with it as a constant (a new value means a new
-    signature, as it must: `range(n)` unrolls n times)."""
-
-    __slots__ = ("origin",)
-
-    def __init__(self, symbol, origin: str):
-        super().__init__(symbol)
-        self.origin = origin
-
-    def _structural(self):
-        raise _Structural(self.origin)
-
-    __index__ = __int__ = __float__ = _structural
-
-
 def _join(origin: str, name: str) -> str:
     return f"{origin}.{name}" if origin else name
 
@@ -354,8 +329,8 @@ def trace(fn, kind: str) -> Traced:
     while True:
         try:
             traced = _trace_once(target, kind, name, filename, lineno, structural)
-        except _Structural as reached:
-            structural |= {reached.origin}
+        except _context.Structural as reached:
+            structural |= reached.origins
             continue
         _log.info("traced %s '%s' in %.1f ms; parameters: %s; captured tensors: %d", kind, name,
                   (time.perf_counter() - start) * 1e3,
@@ -366,7 +341,7 @@ def trace(fn, kind: str) -> Traced:
 def _trace_once(target, kind, name, filename, lineno, structural) -> Traced:
     with _LOCK:
         rebinder = _Rebinder(kind, structural)
-        state = _context.TraceState(kind, name, filename, lineno, rebinder.codes)
+        state = _context.TraceState(kind, name, filename, lineno, rebinder.codes, param_origins=rebinder.origins)
         _context.begin(state)
         try:
             rebound = rebinder.value(target, "")
