@@ -403,3 +403,25 @@ def test_negative_indices_are_wrapped_where_the_call_can_have_them():
         (problem,) = PLANS._items.values()
         assert problem.negative_indices is negative
         assert ("< 0, " in problem.forward_kernel.source) is negative
+
+def test_scores_below_the_log2_range_count_as_minus_infinity():
+    """transformers' additive padding puts finfo(float32).min on every key of a padded row. The
+    kernels take scores in log2 units, where that is -inf (as FlexAttention's kernel does on an H100): such
+    a row is empty, output 0 (README, Semantics). The float64 reference averages it, as
+    softmax of equal scores does: it summed v there before (exp(score - lse) with lse's
+    rounding absorbing log(n))."""
+    lowest = torch.finfo(torch.float32).min
+    bias = torch.zeros(20, 24)
+    bias[:5] = lowest  # padded rows: every key
+    bias[5:, :3] = lowest  # the other rows: the padded keys
+
+    def padding(score, b, h, q_idx, kv_idx):
+        return score + bias[q_idx, kv_idx]
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (20, 24, 24))
+    ref, _ = attention_reference(q, k, v, score_mod=padding)
+    torch.testing.assert_close(ref[:, :, :5], v.double().mean(dim=2, keepdim=True).expand(-1, -1, 5, -1))
+    out, lse = maskc.compiled_attention(q, k, v, score_mod=padding, return_lse=True)
+    assert (out[:, :, :5] == 0).all() and torch.isneginf(lse[:, :, :5]).all()
+    assert_close_to_reference(out[:, :, 5:], ref[:, :, 5:])

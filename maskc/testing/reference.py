@@ -81,8 +81,12 @@ def attention_reference(q, k, v, mask_mod=None, score_mod=None, scale=None, enab
     # Rows with nothing kept (masked, or every score -inf from the score_mod) take zeros before
     # logsumexp: its gradient over a row of -inf is 0/0, which would make dq and dk NaN
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
-    lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
-    probs = torch.exp(scores - lse.unsqueeze(-1).masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
+    kept = scores.masked_fill(empty, 0.0)
+    lse = torch.logsumexp(kept, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
+    # softmax subtracts the row's max: exp(scores - lse) lost a row of scores near float32's
+    # lowest (transformers' finfo.min padding) whole, as lse's rounding there absorbs log(n)
+    # and made each weight 1, the row the sum of v instead of its mean
+    probs = torch.softmax(kept, dim=-1).masked_fill(empty, 0.0)
     return torch.einsum("bhqk,bhkd->bhqd", probs, v), lse
 
 
