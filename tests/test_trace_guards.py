@@ -518,3 +518,27 @@ def test_python_decisions_on_positions_are_still_refused():
 
     with pytest.raises(MaskTraceError, match="uses Python control flow"):
         maskc.mask_mod(decides_on_position)
+
+
+DIVISOR = 3.0
+PERIOD = 4
+
+
+def test_a_captured_divisor_made_zero_is_refused_with_the_rule(monkeypatch):
+    # the block-map analysis met sympy's complex infinity there and crashed with
+    # "Cannot convert complex to float"
+    def chunked(b, h, q_idx, kv_idx):
+        return torch.trunc(q_idx / DIVISOR) >= torch.trunc(kv_idx / DIVISOR)
+
+    def periodic(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx) % (PERIOD - 1) == 0
+
+    assert_block_map_exact(chunked, 40, 40, (16, 16))
+    monkeypatch.setattr(THIS, "DIVISOR", 0.0)
+    with pytest.raises(ValueError, match=r"mask_mod 'chunked' divides by zero with DIVISOR = 0.0; .* capture a nonzero"):
+        maskc.block_map(chunked, 40, 40, block_size=(16, 16))
+    monkeypatch.setattr(THIS, "DIVISOR", 5.0)
+    assert_block_map_exact(chunked, 40, 40, (16, 16))
+    monkeypatch.setattr(THIS, "PERIOD", 1)
+    with pytest.raises(ValueError, match="mask_mod 'periodic' divides by zero with PERIOD = 1"):
+        maskc.block_map(periodic, 40, 40, block_size=(16, 16))

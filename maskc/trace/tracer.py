@@ -392,6 +392,25 @@ def _check_values(traced: Traced) -> None:
         if isinstance(p.value, float) and math.isnan(p.value):
             raise ValueError(f"{traced.kind} '{traced.name}' captures {p.origin} = nan; captured numbers must "
                              f"not be nan (a comparison with nan is always false): use a number")
+    _check_divisors(traced)
+
+
+def _check_divisors(traced: Traced) -> None:
+    """Refuse a divisor of captured numbers alone that their values make 0 (`q_idx / d` with
+    d = 0.0, `q_idx % (n - 1)` with n = 1), as the tracer refuses a literal one: the block-map
+    analysis met sympy's signless complex infinity there and crashed."""
+    values = traced.param_values()
+    if not values:
+        return
+    for node in dag.atoms(traced.expr, sympy.Pow, sympy.Mod):
+        if node.is_Pow and not (node.exp.is_number and node.exp.is_negative):
+            continue
+        divisor = node.base if node.is_Pow else node.args[1]
+        symbols = divisor.free_symbols
+        if symbols and symbols <= values.keys() and divisor.xreplace(values) == 0:
+            captured = ", ".join(f"{p.origin} = {p.value}" for p in traced.params if p.symbol in symbols)
+            raise ValueError(f"{traced.kind} '{traced.name}' divides by zero with {captured}; torch gives ±inf or "
+                             f"nan there, which attention turns into nan rows: capture a nonzero number")
 
 
 def _check_result(kind: str, result: Proxy) -> None:
@@ -458,4 +477,7 @@ def _with_new_values(old: Traced) -> Traced | None:
     except Exception:  # as guards_hold: the name, key or attribute is gone
         return None
     params = tuple(Param(p.symbol, v, p.origin) for p, v in zip(old.params, values))
-    return Traced(old.kind, old.name, old.expr, params, old.tensors, tuple(guards), old.param_guards, old.signature)
+    renewed = Traced(old.kind, old.name, old.expr, params, old.tensors, tuple(guards), old.param_guards, old.signature)
+    if 0 in values:  # a divisor may have become 0 (the walk only then: a decoding step's offset changes every step)
+        _check_divisors(renewed)
+    return renewed
