@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 import maskc
 from maskc import masks, scores
-from maskc.testing import attention_reference
+from maskc.testing import assert_close_to_reference, attention_reference
 
 L, DIM, HEADS = 48, 32, 2
 DOC_IDS = torch.tensor([0] * 20 + [1] * 17 + [2] * 11)
@@ -241,15 +241,35 @@ def test_the_backward_returns_gradients_in_the_layout_its_fake_kernel_promises()
         assert grad.stride() == t.stride()
 
 
-def test_a_plain_function_under_compile_is_refused_with_the_fix():
+def test_a_plain_function_under_compile_runs_outside_the_graph():
+    """A plain function mod has no key for the operator to name it by: the call runs outside
+    the graph, and fullgraph=True gets Dynamo's error with the fix. It raised a TypeError there,
+    which Dynamo took for a graph break, then traced maskc's eager path and Triton's interpreter
+    and crashed, and later valid calls of the same compiled function failed too (pytorch's
+    test_multiple_score_mod_calls, transformers' compile_friendly_flex_attention)."""
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
-    q = torch.randn(1, 2, 16, 16)
-    compiled = torch.compile(lambda q: maskc.compiled_attention(q, q, q, mask_mod=causal), backend="eager",
-                             fullgraph=True)
-    with pytest.raises(Exception, match=r"must be a maskc.MaskMod \(decorate the function with @maskc.mask_mod"):
-        compiled(q)
+    def shifted(score, b, h, q_idx, kv_idx):
+        return score + (q_idx - kv_idx) / 8
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 40, 16, generator=g)
+    full = torch.compile(lambda q: maskc.compiled_attention(q, q, q, mask_mod=causal), backend="eager",
+                         fullgraph=True)
+    with pytest.raises(Exception, match=r"a plain function as mask_mod or score_mod runs outside the graph; "
+                                        r"decorate it with @maskc.mask_mod"):
+        full(q)
+    attend = torch.compile(lambda q, mask, score: maskc.compiled_attention(q, q, q, mask_mod=mask, score_mod=score))
+    flex = torch.compile(lambda q, score, block_mask: maskc.flex_attention(q, q, q, score_mod=score,
+                                                                           block_mask=block_mask))
+    block_mask = torch.nn.attention.flex_attention.create_block_mask(causal, None, None, 40, 40, device="cpu")
+    for mask, score in ((causal, None), (None, shifted), (causal, shifted), (maskc.mask_mod(causal), None)):
+        want, _ = attention_reference(q, q, q, mask_mod=mask, score_mod=score)
+        assert_close_to_reference(attend(q, mask, score), want)
+    want, _ = attention_reference(q, q, q, mask_mod=causal, score_mod=shifted)
+    assert_close_to_reference(flex(q, shifted, block_mask), want)
+    assert_close_to_reference(flex(q, maskc.score_mod(shifted), block_mask), want)
 
 
 # -- decoding ----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch.nn.attention.flex_attention as torch_flex
 from maskc.analysis import BlockMap, block_map
 from maskc.masks import and_masks, or_masks
 from maskc.runtime import compiled_attention
+from maskc.runtime.api import outside_graph, plain_function
 from maskc.runtime.tiles import check_block_size
 from maskc.trace import MaskMod, as_mask_mod
 
@@ -64,6 +65,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         raise NotImplementedError("maskc's kernels do not return max_scores; ask for "
                                   "return_aux=AuxRequest(lse=True) only")
     _ignore(kernel_options)
+    if torch.compiler.is_compiling() and plain_function(None, score_mod):
+        # here, not in compiled_attention: outside the graph, a torch BlockMask is converted below
+        return _flex_attention_outside_graph(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                                             kernel_options, return_aux=return_aux)
     mask = bm = None
     if torch.compiler.is_compiling() and isinstance(block_mask, BlockMask):
         bm = block_mask  # its tile tensors are the operator's inputs, converted when it runs (runtime/ops.py)
@@ -81,6 +86,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     # older torch, whose callers cannot pass return_aux.
     return out, torch_flex.AuxOutput(lse=lse, max_scores=None)
 
+
+
+_flex_attention_outside_graph = outside_graph(flex_attention)
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False,
                       separate_full_blocks=True, compute_dq_write_order=False, dq_kv_order=True):

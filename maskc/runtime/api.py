@@ -10,7 +10,24 @@ from maskc.runtime.dtypes import DTYPES
 from maskc.runtime.kernel import CompiledKernel, kernel_for
 from maskc.runtime.paged import PagedKVCache
 from maskc.runtime.tiles import check_block_size
-from maskc.trace.mods import as_mask_mod, as_score_mod
+from maskc.trace.mods import MaskMod, ScoreMod, as_mask_mod, as_score_mod
+
+# What Dynamo says where a plain function reaches compiled_attention under torch.compile: the
+# operator names a mod by the key maskc gave it when it traced it, and Dynamo must not trace
+# maskc's tracer. Such a call runs outside the graph (a graph break; with fullgraph=True,
+# Dynamo's error with this reason), as Dynamo runs any Python it cannot trace: it had raised
+# a TypeError there, which Dynamo took for a graph break and went on to trace maskc's eager
+# path and Triton's interpreter, crashing and leaving the compiled function broken for later
+# calls.
+PLAIN_FUNCTION = ("maskc: a plain function as mask_mod or score_mod runs outside the graph; decorate it with "
+                  "@maskc.mask_mod or @maskc.score_mod, or wrap it once outside the compiled code (maskc.mask_mod(fn)), "
+                  "to keep the call in the graph")
+
+
+def plain_function(mask_mod, score_mod) -> bool:
+    """Whether a mod is neither None nor traced by maskc yet (a MaskMod or ScoreMod)."""
+    return (mask_mod is not None and not isinstance(mask_mod, MaskMod)) or (
+        score_mod is not None and not isinstance(score_mod, ScoreMod))
 
 
 def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enable_gqa=False, return_lse=False,
@@ -40,6 +57,9 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
     >>> out = maskc.compiled_attention(q_step, k_cache, v_cache, mask_mod=maskc.masks.causal, kv_lens=lens)
     """
     if torch.compiler.is_compiling():
+        if plain_function(mask_mod, score_mod):
+            return _compiled_attention_outside_graph(q, k, v, mask_mod, score_mod, scale, enable_gqa, return_lse,
+                                                   block_map, kv_lens)
         # Dynamo traces this branch alone: maskc's Python runs inside the operators (runtime/ops.py)
         if kv_lens is not None:
             out, lse = ops.decode(q, k, v, kv_lens, mask_mod, score_mod, scale, enable_gqa, block_map)
@@ -92,12 +112,25 @@ def paged_attention(q, cache: PagedKVCache, seq_ids, *, mask_mod=None, score_mod
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be a maskc.PagedKVCache, got {type(cache).__name__}")
     if torch.compiler.is_compiling():
+        if plain_function(mask_mod, score_mod):
+            return _paged_attention_outside_graph(q, cache, seq_ids, mask_mod=mask_mod, score_mod=score_mod,
+                                                   scale=scale, enable_gqa=enable_gqa, return_lse=return_lse)
         out, lse = ops.paged(q, cache.k_pages, cache.v_pages, cache.page_table, cache.lens, seq_ids, cache.page_size,
                              mask_mod, score_mod, scale, enable_gqa)
         return (out, lse) if return_lse else out
     out, lse = decode.paged(q, cache.k_pages, cache.v_pages, cache.page_table, cache.lens, seq_ids, cache.page_size,
                             as_mask_mod(mask_mod), as_score_mod(score_mod), scale, enable_gqa)
     return (out, lse) if return_lse else out
+
+
+def outside_graph(fn):
+    """`fn` as Dynamo runs it where a plain function mod reaches it: outside the graph. Made at
+    import: Dynamo refuses to trace torch.compiler.disable itself."""
+    return torch.compiler.disable(fn, reason=PLAIN_FUNCTION)
+
+
+_compiled_attention_outside_graph = outside_graph(compiled_attention)
+_paged_attention_outside_graph = outside_graph(paged_attention)
 
 
 def compile(mask_mod=None, score_mod=None, *, dtype=torch.bfloat16, head_dim: int = 128,
