@@ -243,6 +243,26 @@ def test_lse_is_torchs_natural_log_with_its_shape_and_dtype():
     torch.testing.assert_close(out2, out, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("permutation", [(0, 2, 1, 3), (2, 0, 1, 3), (0, 1, 2, 3)], ids=["BLHD", "LBHD", "BHLD"])
+def test_out_is_laid_out_as_q_as_torch_lays_it_out(permutation):
+    """torch returns out in q's stride order (its test_flex_attention_stride_ordering), so a
+    model's out.transpose(1, 2).view(B, L, H * D) works; a contiguous out broke it."""
+    B, H, L, D = 2, 2, 40, 16
+    shape = [(B, H, L, D)[d] for d in permutation]
+    inverse = [permutation.index(d) for d in range(4)]
+    q, k, v = (torch.randn(shape).permute(inverse) for _ in range(3))
+    want = _torch_flex(q, k, v, score_mod=lambda s, b, h, i, j: s + (i - j) / 8)
+    with torch.no_grad():
+        out = maskc.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + (i - j) / 8)
+        decoding = maskc.compiled_attention(q[:, :, :1], k, v, kv_lens=torch.full((B,), L))
+    assert out.stride() == want.stride() == q.stride()
+    assert decoding.stride() == torch.empty_like(q[:, :, :1]).stride()
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    q.requires_grad_()
+    assert maskc.flex_attention(q, k, v, block_mask=maskc.create_block_mask(
+        masks.causal, None, None, L, L, device="cpu", BLOCK_SIZE=16)).stride() == q.stride()
+
+
 def test_gradients_flow_through_flex_attention():
     # torch's flex_attention has no backward on CPU; maskc's runs through the interpreter
     block_mask = maskc.create_block_mask(_document_causal, None, None, 40, 40, device="cpu", BLOCK_SIZE=16)

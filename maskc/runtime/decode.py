@@ -24,9 +24,9 @@ import torch
 from maskc._slots import Slots
 from maskc.analysis.blockmap import BlockMap
 from maskc.runtime import plan, tiles
-from maskc.runtime.dtypes import accumulator, dot_precision, interpreter_safe, triton_accumulator
+from maskc.runtime.dtypes import dot_precision, interpreter_safe, triton_accumulator
 from maskc.runtime.kernel import CompiledKernel, kernel_for
-from maskc.runtime.launch import LaunchPlan, no_pairs
+from maskc.runtime.launch import LaunchPlan, no_pairs, outputs
 from maskc.runtime.tiles import TileConfig, padded
 
 # compiled_attention decodes where no gradient is wanted and Lq · (Hq / Hkv) is at most this:
@@ -252,8 +252,7 @@ def run(problem: Decode, q, k, v, *, kv_lens=None, page_table=None, slots=None, 
     page_table the cache's pages [pages, page_size, Hkv, D]."""
     dtype = q.dtype
     q, k, v = interpreter_safe(q, k, v)  # (a copy on the interpreter may have other strides)
-    out = torch.empty((problem.B, problem.Hq, problem.Lq, problem.Dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((problem.B, problem.Hq, problem.Lq), dtype=accumulator(q.dtype), device=q.device)
+    out, lse = outputs(q, problem.Dv)
     variant = (kv_lens is not None, page_table is not None, slots is not None, page_size)
     launch = problem.launches.get(variant) or _plans(problem, *variant)
     values = dict(Q=q, K=k, V=v, Out=out, Lse=lse, KvLens=kv_lens, PageTable=page_table, Slots=slots)

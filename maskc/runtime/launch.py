@@ -186,12 +186,25 @@ def _descriptor_sized(problem: Problem) -> bool:
 
 
 # -- forward ---------------------------------------------------------------------------------
+def outputs(q, dv: int, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (out, lse) of attention over q: out [B, Hq, Lq, dv] laid out in the order of q's
+    strides, as FlexAttention returns it, so that a model's q made by
+    `x.view(B, L, H, D).transpose(1, 2)` gets an out whose `.transpose(1, 2).view(B, L, H * D)`
+    works (it failed on a contiguous out); lse [B, Hq, Lq]."""
+    dtype = dtype or q.dtype
+    B, Hq, Lq, _ = q.shape
+    order = sorted(range(4), key=lambda d: -q.stride(d))  # outermost first; ties keep their order
+    shape = (B, Hq, Lq, dv)
+    out = torch.empty([shape[d] for d in order], dtype=dtype, device=q.device).permute(
+        [order.index(d) for d in range(4)])
+    return out, torch.empty((B, Hq, Lq), dtype=accumulator(dtype), device=q.device)
+
+
 def forward(q, k, v, problem: Problem):
     """(out, lse) from the forward kernel."""
     dtype = q.dtype
     q, k, v = interpreter_safe(q, k, v)
-    out = torch.empty((problem.B, problem.Hq, problem.Lq, problem.Dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((problem.B, problem.Hq, problem.Lq), dtype=accumulator(q.dtype), device=q.device)
+    out, lse = outputs(q, problem.Dv)
     if hopper.runs(problem):
         tma = hopper.descriptors(q, k, v, out, _gluon_forward_tiles(problem)[0])
         if tma is not None and _launch_gluon(problem, "hfwd", _hopper_plan, (*tma, lse)):
@@ -310,10 +323,8 @@ def seconds(q, k, v, problem: Problem) -> float:
 
 def no_pairs(q, v):
     """(out, lse) where no (q, kv) pair exists: zeros, and -inf."""
-    B, Hq, Lq, _ = q.shape
-    out = torch.zeros((B, Hq, Lq, v.shape[3]), dtype=q.dtype, device=q.device)
-    lse = torch.full((B, Hq, Lq), float("-inf"), dtype=accumulator(q.dtype), device=q.device)
-    return out, lse
+    out, lse = outputs(q, v.shape[3])
+    return out.zero_(), lse.fill_(float("-inf"))
 
 
 # -- backward --------------------------------------------------------------------------------

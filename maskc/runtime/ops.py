@@ -36,7 +36,6 @@ from maskc._slots import Slots
 from maskc.analysis.blockmap import BlockMap
 from maskc.runtime import decode as decoding
 from maskc.runtime import launch, plan
-from maskc.runtime.dtypes import accumulator
 from maskc.trace.mods import MaskMod, ScoreMod, mod_of_key
 
 _lock = threading.Lock()
@@ -117,10 +116,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, s
 def _forward_fake(q, k, v, mask_key, score_key, map_handle, scale, enable_gqa, flex_tiles, flex_layout):
     # runs at trace time: wrong inputs fail there, with the eager call's errors
     plan.check_tensors(q, k, v, enable_gqa)
-    B, Hq, Lq, _ = q.shape
-    out = q.new_empty((B, Hq, Lq, v.shape[3]))
-    lse = q.new_empty((B, Hq, Lq), dtype=accumulator(q.dtype))
-    return out, lse, torch.empty((), dtype=torch.int64)
+    return *launch.outputs(q, v.shape[3]), torch.empty((), dtype=torch.int64)
 
 
 def _inputs(mask_key: str, score_key: str, map_handle, q, k, v):
@@ -209,7 +205,7 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Te
 def _decode_fake(q, k, v, kv_lens, mask_key, score_key, map_handle, scale, enable_gqa):
     plan.check_tensors(q, k, v, enable_gqa)
     decoding.check_lens(kv_lens, q, k)
-    return _outputs(q, v.shape[3])
+    return launch.outputs(q, v.shape[3])
 
 
 @torch.library.custom_op("maskc::paged_attention", mutates_args=())
@@ -223,12 +219,8 @@ def _paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_t
 @_paged.register_fake
 def _paged_fake(q, k_pages, v_pages, page_table, lens, seq_ids, page_size, mask_key, score_key, scale, enable_gqa):
     decoding.check_slots(seq_ids, q)
-    return _outputs(q, v_pages.shape[3])
+    return launch.outputs(q, v_pages.shape[3])
 
-
-def _outputs(q, dv: int):
-    B, Hq, Lq, _ = q.shape
-    return q.new_empty((B, Hq, Lq, dv)), q.new_empty((B, Hq, Lq), dtype=accumulator(q.dtype))
 
 
 # -- backward --------------------------------------------------------------------------------
