@@ -142,6 +142,10 @@ def test_small_names_match_torchs():
         assert torch.equal(maskc.create_mask(ours, 1, 2, 24, 30, device="cpu"),
                            torch_flex.create_mask(theirs, 1, 2, 24, 30, device="cpu"))
     assert maskc.create_mask(maskc.noop_mask, None, None, 3, 4, device="cpu").all()
+    # the types an import line names beside them (torch 2.9+), torch's own
+    from maskc import AuxOutput, AuxRequest, FlexKernelOptions
+    assert (AuxOutput, AuxRequest, FlexKernelOptions) == (torch_flex.AuxOutput, torch_flex.AuxRequest,
+                                                         torch_flex.FlexKernelOptions)
 
 
 # -- BlockMask <-> BlockMap ---------------------------------------------------------------------

@@ -36,6 +36,11 @@ BlockMask = torch_flex.BlockMask
 create_mask = torch_flex.create_mask
 noop_mask = MaskMod(torch_flex.noop_mask, name="noop_mask")
 
+# torch's own types of return_aux and kernel_options, so that a file whose import line names
+# them runs after the swap; looked up when asked for (module __getattr__), as torch before 2.9
+# has none of them.
+TORCH_TYPES = ("AuxOutput", "AuxRequest", "FlexKernelOptions")
+
 _TILE_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 # Conversions of torch BlockMasks to BlockMaps, kept while the BlockMask lives: a model hands one
 # BlockMask to every layer, and a conversion costs a trace lookup and O(tiles) work.
@@ -163,6 +168,12 @@ def _ignore(kernel_options) -> None:
         _IGNORED_REPORTED.add(keys)
         _log.info("flex_attention ignores kernel_options %s: FlexAttention's kernel knobs; maskc chooses its own "
                   "tiles", ", ".join(keys))
+
+
+def __getattr__(name: str):
+    if name in TORCH_TYPES and hasattr(torch_flex, name):
+        return getattr(torch_flex, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["BlockMask", "and_masks", "create_block_mask", "create_mask", "flex_attention", "noop_mask", "or_masks"]
