@@ -193,10 +193,13 @@ def outputs(q, dv: int, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     works (it failed on a contiguous out); lse [B, Hq, Lq]."""
     dtype = dtype or q.dtype
     B, Hq, Lq, _ = q.shape
-    order = sorted(range(4), key=lambda d: -q.stride(d))  # outermost first; ties keep their order
     shape = (B, Hq, Lq, dv)
-    out = torch.empty([shape[d] for d in order], dtype=dtype, device=q.device).permute(
-        [order.index(d) for d in range(4)])
+    if q.is_contiguous():  # the common case, on every call's path: no sort, no view
+        out = torch.empty(shape, dtype=dtype, device=q.device)
+    else:
+        order = sorted(range(4), key=lambda d: -q.stride(d))  # outermost first; ties keep their order
+        out = torch.empty([shape[d] for d in order], dtype=dtype, device=q.device).permute(
+            [order.index(d) for d in range(4)])
     return out, torch.empty((B, Hq, Lq), dtype=accumulator(dtype), device=q.device)
 
 
