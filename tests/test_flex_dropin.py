@@ -228,6 +228,27 @@ def test_a_hand_made_block_mask_is_read_as_flexattentions_kernels_read_it():
     assert (out[:, :, 90:] == 0).all() and torch.isneginf(lse[:, :, 90:]).all()
 
 
+def test_blocks_larger_than_the_kernels_tiles_are_read_as_flex_attention_reads_them():
+    """torch's own no-op BlockMask (one block of 2**30 made for lengths (1, 1), which torch's
+    flex_attention does not check) and hand-made blocks of 512: each block's status holds for
+    every kernel tile in it. Both were refused for their BLOCK_SIZE."""
+    q, k, v = _qkv(1, 2, 2, 600, 600, seed=5)
+    no_op = torch_flex._create_empty_block_mask(q, k)
+    torch.testing.assert_close(maskc.flex_attention(q, k, v, block_mask=no_op), _torch_flex(q, k, v),
+                               atol=2e-5, rtol=2e-5)
+    # q block 0 lists kv block 0, q block 1 kv block 1, both partial (causal decides inside)
+    blocks = torch_flex.BlockMask.from_kv_blocks(torch.ones(1, 1, 2, dtype=torch.int32),
+                                                 torch.tensor([[[[0, 0], [1, 0]]]], dtype=torch.int32),
+                                                 BLOCK_SIZE=512, mask_mod=masks.causal, seq_lengths=(600, 600))
+
+    def block_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx // 512 == kv_idx // 512)
+
+    want, _ = attention_reference(q, k, v, mask_mod=block_causal)
+    torch.testing.assert_close(maskc.flex_attention(q, k, v, block_mask=blocks).double(), want, atol=2e-5,
+                               rtol=2e-5)
+
+
 def test_lse_is_torchs_natural_log_with_its_shape_and_dtype():
     block_mask = maskc.create_block_mask(masks.causal, None, None, 48, 48, device="cpu", BLOCK_SIZE=16)
     q, k, v = _qkv(1, 2, 2, 48, 48, seed=3)

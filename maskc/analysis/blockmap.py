@@ -32,6 +32,26 @@ _PICTURE_MAX = 64
 _HOST_CELLS = 1 << 21
 
 
+# BlockMask blocks above this (powers of two, as torch's _create_empty_block_mask's 2**30, one
+# block over any sequence) are read as tiles of it, each with its block's status, so that the
+# kernels, which take tiles up to 256, run them as FlexAttention does
+_SPLIT_TILE = 128
+
+
+def _split_large_blocks(grid, block_size, q_len: int, kv_len: int):
+    """(grid, block_size) with each dimension's blocks above _SPLIT_TILE (powers of two) split
+    into tiles of _SPLIT_TILE that keep their block's status: O(tiles), never O(block size)."""
+    sizes = list(block_size)
+    for dim, length in ((2, q_len), (3, kv_len)):
+        b = sizes[dim - 2]
+        if b <= _SPLIT_TILE or b & (b - 1):
+            continue
+        tiles = torch.arange(-(-length // _SPLIT_TILE), device=grid.device)
+        grid = grid.index_select(dim, tiles * _SPLIT_TILE // b)
+        sizes[dim - 2] = _SPLIT_TILE
+    return grid, tuple(sizes)
+
+
 class BlockMap:
     """The tile classification of one mask at given lengths and tile sizes.
 
@@ -201,7 +221,7 @@ class BlockMap:
                 raise ValueError("block_mask lists a kv block both in kv_indices and in full_kv_indices, which "
                                  "flex_attention would attend twice; list each block once")
             grid = torch.where(full, FULL, grid * PARTIAL)
-        grid = grid.to(torch.int8)
+        grid, block_size = _split_large_blocks(grid.to(torch.int8), block_size, q_len, kv_len)
         pieces = Pieces.from_grid(grid, torch.ones_like(grid, dtype=torch.bool), grid.shape[:3])
         mask = as_mask_mod(mask_mod)
         return cls(pieces, q_len=q_len, kv_len=kv_len, block_size=block_size, mask_name=mask.__name__,

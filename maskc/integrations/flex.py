@@ -41,6 +41,7 @@ noop_mask = MaskMod(torch_flex.noop_mask, name="noop_mask")
 # has none of them.
 TORCH_TYPES = ("AuxOutput", "AuxRequest", "FlexKernelOptions")
 
+_NO_OP_BLOCK = getattr(torch_flex, "_LARGE_SPARSE_BLOCK_SIZE", 1 << 30)
 _TILE_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 # Conversions of torch BlockMasks to BlockMaps, kept while the BlockMask lives: a model hands one
 # BlockMask to every layer, and a conversion costs a trace lookup and O(tiles) work.
@@ -74,6 +75,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         # here, not in compiled_attention: outside the graph, a torch BlockMask is converted below
         return _flex_attention_outside_graph(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                              kernel_options, return_aux=return_aux)
+    if isinstance(block_mask, BlockMask) and tuple(block_mask.BLOCK_SIZE) == (_NO_OP_BLOCK, _NO_OP_BLOCK):
+        # torch's no-op BlockMask (_create_empty_block_mask: one block over any lengths, made
+        # for seq_lengths (1, 1)), whose lengths torch's flex_attention does not check
+        block_mask = block_mask._adjust(query.shape[-2], key.shape[-2])
     mask = bm = None
     if torch.compiler.is_compiling() and isinstance(block_mask, BlockMask):
         bm = block_mask  # its tile tensors are the operator's inputs, converted when it runs (runtime/ops.py)
