@@ -50,6 +50,31 @@ class LayerMask:
     def contiguous(self) -> "LayerMask":
         return self
 
+    # A model that works on the mask itself instead of handing it to its attention function
+    # (bloom adds its ALiBi to it, xglm asks its size, doge its dtype) gets this, not a crash
+    # in its own code (an AttributeError, so that hasattr() stays False).
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(_READ_AS_TENSOR.format(f"its .{name}"))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(_READ_AS_TENSOR.format(f"{getattr(func, '__name__', func)}() on it"))
+
+    def _arithmetic(self, other):
+        # (a tensor's operators turn the TypeError of __torch_function__ into NotImplemented,
+        # and Python then asks these)
+        raise TypeError(_READ_AS_TENSOR.format("arithmetic on it"))
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _arithmetic
+    __and__ = __rand__ = __or__ = __ror__ = _arithmetic
+
+
+_READ_AS_TENSOR = ("this model works on its attention mask as a tensor ({}), but maskc's backend hands each layer "
+                   "a traced mask that only maskc's attention function reads; use attn_implementation='sdpa' or "
+                   "'eager' for this model")
+
 
 def register(name: str = "maskc") -> str:
     """Register maskc with transformers under `name`: its attention function with
