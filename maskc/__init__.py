@@ -15,7 +15,6 @@ from maskc.runtime import (CacheInfo, CompiledKernel, PagedKVCache, cache_info, 
 from maskc.trace import MaskMod, ScoreMod, mask_mod, score_mod
 
 
-
 def __getattr__(name: str):
     # FlexAttention's AuxRequest, AuxOutput and FlexKernelOptions, where this torch has them
     if name in _flex.TORCH_TYPES:

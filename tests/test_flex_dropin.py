@@ -247,6 +247,9 @@ def test_blocks_larger_than_the_kernels_tiles_are_read_as_flex_attention_reads_t
     want, _ = attention_reference(q, k, v, mask_mod=block_causal)
     torch.testing.assert_close(maskc.flex_attention(q, k, v, block_mask=blocks).double(), want, atol=2e-5,
                                rtol=2e-5)
+    assert flex.converted(blocks).block_size == (256, 256)  # the kernels' largest tile
+    assert flex.converted(maskc.create_block_mask(masks.causal, None, None, 600, 600, device="cpu",
+                                                  BLOCK_SIZE=256)).block_size == (256, 256)
 
 
 def test_lse_is_torchs_natural_log_with_its_shape_and_dtype():

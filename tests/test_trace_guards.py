@@ -501,6 +501,18 @@ def test_python_decisions_on_captured_numbers_make_them_constants(monkeypatch):
     assert mod.signature == masks.causal.signature
 
 
+def test_python_decisions_on_a_folded_constant(monkeypatch):
+    # an infinite window is a constant in a mask (it folds its comparisons): Python's decision
+    # on it is taken as it folded, not refused as control flow
+    def decides(b, h, q_idx, kv_idx):
+        if WINDOW > 0:
+            return (q_idx >= kv_idx) & (q_idx - kv_idx <= WINDOW)
+        return q_idx == kv_idx
+
+    monkeypatch.setattr(THIS, "WINDOW", float("inf"))
+    assert as_mask_mod(decides).signature == masks.causal.signature
+
+
 def test_math_on_a_captured_number_in_a_score(monkeypatch):
     # T5's relative-position bucket: math.log(max_distance / max_exact) of a bound number
     def log_scaled(score, b, h, q_idx, kv_idx):
@@ -539,6 +551,9 @@ def test_a_captured_divisor_made_zero_is_refused_with_the_rule(monkeypatch):
         maskc.block_map(chunked, 40, 40, block_size=(16, 16))
     monkeypatch.setattr(THIS, "DIVISOR", 5.0)
     assert_block_map_exact(chunked, 40, 40, (16, 16))
+    # traced with PERIOD = 4 first: then only the value changes (the trace is kept), and 1 is
+    # no zero itself but makes the divisor one
+    assert_block_map_exact(periodic, 40, 40, (16, 16))
     monkeypatch.setattr(THIS, "PERIOD", 1)
     with pytest.raises(ValueError, match="mask_mod 'periodic' divides by zero with PERIOD = 1"):
         maskc.block_map(periodic, 40, 40, block_size=(16, 16))

@@ -309,3 +309,12 @@ def test_a_model_that_works_on_its_mask_is_told_to_use_another_backend(model_typ
     with pytest.raises((TypeError, AttributeError), match="this model works on its attention mask as a tensor .*"
                                                           "use attn_implementation='sdpa' or 'eager'"), torch.no_grad():
         model(input_ids=_tokens(1, 16))
+
+
+def test_a_layer_mask_used_as_a_tensor_says_so():
+    mask = maskc_hf.LayerMask(maskc.masks.causal, 4, 4)
+    for use in (lambda m: m[:, :, :2], lambda m: ~m, lambda m: -m, lambda m: m * 2, lambda m: torch.ones(1) + m,
+                lambda m: m.dtype):
+        with pytest.raises((TypeError, AttributeError), match="works on its attention mask as a tensor"):
+            use(mask)
+    assert not hasattr(mask, "dtype") and getattr(mask, "size", None) is None  # hasattr and defaults still work

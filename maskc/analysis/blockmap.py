@@ -32,23 +32,18 @@ _PICTURE_MAX = 64
 _HOST_CELLS = 1 << 21
 
 
-# BlockMask blocks above this (powers of two, as torch's _create_empty_block_mask's 2**30, one
-# block over any sequence) are read as tiles of it, each with its block's status, so that the
-# kernels, which take tiles up to 256, run them as FlexAttention does
-_SPLIT_TILE = 128
-
-
-def _split_large_blocks(grid, block_size, q_len: int, kv_len: int):
-    """(grid, block_size) with each dimension's blocks above _SPLIT_TILE (powers of two) split
-    into tiles of _SPLIT_TILE that keep their block's status: O(tiles), never O(block size)."""
+def _split_large_blocks(grid, block_size, q_len: int, kv_len: int, largest: int | None):
+    """(grid, block_size) with each dimension's blocks above `largest` (powers of two) split
+    into tiles of `largest` that keep their block's status, as FlexAttention's kernels read a
+    block larger than their tiles: O(tiles), never O(block size)."""
     sizes = list(block_size)
     for dim, length in ((2, q_len), (3, kv_len)):
         b = sizes[dim - 2]
-        if b <= _SPLIT_TILE or b & (b - 1):
+        if largest is None or b <= largest or b & (b - 1):
             continue
-        tiles = torch.arange(-(-length // _SPLIT_TILE), device=grid.device)
-        grid = grid.index_select(dim, tiles * _SPLIT_TILE // b)
-        sizes[dim - 2] = _SPLIT_TILE
+        tiles = torch.arange(-(-length // largest), device=grid.device)
+        grid = grid.index_select(dim, tiles * largest // b)
+        sizes[dim - 2] = largest
     return grid, tuple(sizes)
 
 
@@ -181,13 +176,15 @@ class BlockMap:
                                         mask_mod=self.mask_mod, seq_lengths=(self.q_len, self.kv_len))
 
     @classmethod
-    def from_flex_block_mask(cls, block_mask) -> "BlockMap":
+    def from_flex_block_mask(cls, block_mask, largest_tile: int | None = None) -> "BlockMap":
         """The tiles of a torch BlockMask as a BlockMap that compiled_attention runs; O(tiles) work.
 
         The tiles are taken as the BlockMask lists them, which is how flex_attention reads them:
         a tile it leaves out is skipped, a full tile runs without the mask, a partial one with
         it. Its mask_mod is traced by maskc and recorded as what the map was built from, so
         compiled_attention accepts the map with that mask (or runs it when given no mask_mod).
+        Power-of-two blocks above `largest_tile` are split into tiles of that size, each with
+        its block's status (the kernels' largest tile, for a map that drives them).
 
         >>> from torch.nn.attention.flex_attention import create_block_mask
         >>> bm = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 1024, 1024, device="cpu")
@@ -197,11 +194,12 @@ class BlockMap:
         """
         return cls.from_flex_tiles(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
                                    block_mask.full_kv_indices, seq_lengths=block_mask.seq_lengths,
-                                   block_size=block_mask.BLOCK_SIZE, mask_mod=block_mask.mask_mod)
+                                   block_size=block_mask.BLOCK_SIZE, mask_mod=block_mask.mask_mod,
+                                   largest_tile=largest_tile)
 
     @classmethod
     def from_flex_tiles(cls, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, *, seq_lengths,
-                        block_size, mask_mod) -> "BlockMap":
+                        block_size, mask_mod, largest_tile: int | None = None) -> "BlockMap":
         """from_flex_block_mask from a BlockMask's parts (maskc's torch operator gets them as
         tensors, so that a new BlockMask of the same shape runs the same compiled graph)."""
         num = kv_num_blocks
@@ -221,7 +219,7 @@ class BlockMap:
                 raise ValueError("block_mask lists a kv block both in kv_indices and in full_kv_indices, which "
                                  "flex_attention would attend twice; list each block once")
             grid = torch.where(full, FULL, grid * PARTIAL)
-        grid, block_size = _split_large_blocks(grid.to(torch.int8), block_size, q_len, kv_len)
+        grid, block_size = _split_large_blocks(grid.to(torch.int8), block_size, q_len, kv_len, largest_tile)
         pieces = Pieces.from_grid(grid, torch.ones_like(grid, dtype=torch.bool), grid.shape[:3])
         mask = as_mask_mod(mask_mod)
         return cls(pieces, q_len=q_len, kv_len=kv_len, block_size=block_size, mask_name=mask.__name__,

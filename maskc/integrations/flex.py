@@ -23,7 +23,7 @@ from maskc.analysis import BlockMap, block_map
 from maskc.masks import and_masks, or_masks
 from maskc.runtime import compiled_attention
 from maskc.runtime.api import outside_graph, plain_function
-from maskc.runtime.tiles import check_block_size
+from maskc.runtime.tiles import MAX_TILE, check_block_size
 from maskc.trace import MaskMod, as_mask_mod
 
 _log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ noop_mask = MaskMod(torch_flex.noop_mask, name="noop_mask")
 # has none of them.
 TORCH_TYPES = ("AuxOutput", "AuxRequest", "FlexKernelOptions")
 
-_NO_OP_BLOCK = getattr(torch_flex, "_LARGE_SPARSE_BLOCK_SIZE", 1 << 30)
+_NO_OP_BLOCK = 1 << 30  # torch's _LARGE_SPARSE_BLOCK_SIZE
 _TILE_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 # Conversions of torch BlockMasks to BlockMaps, kept while the BlockMask lives: a model hands one
 # BlockMask to every layer, and a conversion costs a trace lookup and O(tiles) work.
@@ -75,12 +75,12 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         # here, not in compiled_attention: outside the graph, a torch BlockMask is converted below
         return _flex_attention_outside_graph(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                              kernel_options, return_aux=return_aux)
+    mask = bm = None
     if isinstance(block_mask, BlockMask) and tuple(block_mask.BLOCK_SIZE) == (_NO_OP_BLOCK, _NO_OP_BLOCK):
         # torch's no-op BlockMask (_create_empty_block_mask: one block over any lengths, made
-        # for seq_lengths (1, 1)), whose lengths torch's flex_attention does not check
-        block_mask = block_mask._adjust(query.shape[-2], key.shape[-2])
-    mask = bm = None
-    if torch.compiler.is_compiling() and isinstance(block_mask, BlockMask):
+        # for lengths (1, 1), which torch's flex_attention does not check): its mask_mod alone
+        mask = None if block_mask.mask_mod is torch_flex.noop_mask else block_mask.mask_mod
+    elif torch.compiler.is_compiling() and isinstance(block_mask, BlockMask):
         bm = block_mask  # its tile tensors are the operator's inputs, converted when it runs (runtime/ops.py)
     elif block_mask is not None:
         bm = block_mask if isinstance(block_mask, BlockMap) else converted(block_mask)
@@ -97,8 +97,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     return out, torch_flex.AuxOutput(lse=lse, max_scores=None)
 
 
-
 _flex_attention_outside_graph = outside_graph(flex_attention)
+
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False,
                       separate_full_blocks=True, compute_dq_write_order=False, dq_kv_order=True):
@@ -131,7 +131,7 @@ def converted(block_mask) -> BlockMap:
     found = CONVERTED.get(block_mask)
     if found is not None and _same(found[0], state):
         return found[1]
-    bm = BlockMap.from_flex_block_mask(block_mask)
+    bm = BlockMap.from_flex_block_mask(block_mask, largest_tile=MAX_TILE)
     CONVERTED[block_mask] = (state, bm)
     return bm
 

@@ -28,6 +28,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
 import maskc
+from maskc.runtime.api import outside_graph
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,12 @@ class LayerMask:
         raise TypeError(_READ_AS_TENSOR.format("arithmetic on it"))
 
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _arithmetic
-    __and__ = __rand__ = __or__ = __ror__ = _arithmetic
+    __and__ = __rand__ = __or__ = __ror__ = __pow__ = __getitem__ = _arithmetic
+
+    def __invert__(self):
+        raise TypeError(_READ_AS_TENSOR.format("arithmetic on it"))
+
+    __neg__ = __invert__
 
 
 _READ_AS_TENSOR = ("this model works on its attention mask as a tensor ({}), but maskc's backend hands each layer "
@@ -95,7 +101,6 @@ def register(name: str = "maskc") -> str:
     return name
 
 
-@torch.compiler.disable(reason="maskc traces the model's mask function in Python, once per forward pass")
 def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, *,
                mask_function, attention_mask: torch.Tensor | LayerMask | None = None, **kwargs) -> LayerMask:
     """transformers' mask interface for maskc: `mask_function` with the cache offsets and the
@@ -119,6 +124,10 @@ def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         if bool(padding.all()):  # no padded key: no captured tensor for the tiles to read
             padding = None
     return LayerMask(_StepMask.of(mask_function, padding, q_offset, kv_offset), q_length, kv_length)
+
+
+# (torch.compiler.disable's decorator takes reason= from torch 2.8 only: outside_graph decides)
+layer_mask = outside_graph(layer_mask, reason="maskc traces the model's mask function in Python, once per forward pass")
 
 
 class _StepMask:

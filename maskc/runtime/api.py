@@ -1,6 +1,8 @@
 """The runtime's public functions: compiled_attention(), paged_attention() and compile()."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from maskc.analysis.blockmap import BlockMap
@@ -123,10 +125,12 @@ def paged_attention(q, cache: PagedKVCache, seq_ids, *, mask_mod=None, score_mod
     return (out, lse) if return_lse else out
 
 
-def outside_graph(fn):
-    """`fn` as Dynamo runs it where a plain function mod reaches it: outside the graph. Made at
-    import: Dynamo refuses to trace torch.compiler.disable itself."""
-    return torch.compiler.disable(fn, reason=PLAIN_FUNCTION)
+def outside_graph(fn, reason: str = PLAIN_FUNCTION):
+    """`fn` as Dynamo runs it: outside the graph, saying `reason` where this torch can (2.8 and
+    later; maskc supports 2.5). Made at import: Dynamo refuses to trace torch.compiler.disable."""
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        return torch.compiler.disable(fn, reason=reason)
+    return torch.compiler.disable(fn)
 
 
 _compiled_attention_outside_graph = outside_graph(compiled_attention)

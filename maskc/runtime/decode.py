@@ -251,8 +251,9 @@ def run(problem: Decode, q, k, v, *, kv_lens=None, page_table=None, slots=None, 
     """(out, lse) of a decoding problem. k and v are [B, Hkv, kv_cap, D] tensors, or with
     page_table the cache's pages [pages, page_size, Hkv, D]."""
     dtype = q.dtype
+    given = q
     q, k, v = interpreter_safe(q, k, v)  # (a copy on the interpreter may have other strides)
-    out, lse = outputs(q, problem.Dv)
+    out, lse = outputs(given, problem.Dv, q.dtype)
     variant = (kv_lens is not None, page_table is not None, slots is not None, page_size)
     launch = problem.launches.get(variant) or _plans(problem, *variant)
     values = dict(Q=q, K=k, V=v, Out=out, Lse=lse, KvLens=kv_lens, PageTable=page_table, Slots=slots)

@@ -187,17 +187,19 @@ def _descriptor_sized(problem: Problem) -> bool:
 
 # -- forward ---------------------------------------------------------------------------------
 def outputs(q, dv: int, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty (out, lse) of attention over q: out [B, Hq, Lq, dv] laid out in the order of q's
-    strides, as FlexAttention returns it, so that a model's q made by
+    """Empty (out, lse) of attention over q (the caller's, whose layout the operators' fake
+    kernels see too): out [B, Hq, Lq, dv] with its batch, head and row dimensions in the order
+    of q's strides, as FlexAttention returns it, so that a model's q made by
     `x.view(B, L, H, D).transpose(1, 2)` gets an out whose `.transpose(1, 2).view(B, L, H * D)`
-    works (it failed on a contiguous out); lse [B, Hq, Lq]."""
+    works (it failed on a contiguous out). Its last dimension stays innermost, which the copy
+    engine needs, whatever q's is; lse [B, Hq, Lq]."""
     dtype = dtype or q.dtype
     B, Hq, Lq, _ = q.shape
     shape = (B, Hq, Lq, dv)
     if q.is_contiguous():  # the common case, on every call's path: no sort, no view
         out = torch.empty(shape, dtype=dtype, device=q.device)
     else:
-        order = sorted(range(4), key=lambda d: -q.stride(d))  # outermost first; ties keep their order
+        order = sorted(range(3), key=lambda d: -q.stride(d)) + [3]  # outermost first; ties keep their order
         out = torch.empty([shape[d] for d in order], dtype=dtype, device=q.device).permute(
             [order.index(d) for d in range(4)])
     return out, torch.empty((B, Hq, Lq), dtype=accumulator(dtype), device=q.device)
@@ -206,8 +208,9 @@ def outputs(q, dv: int, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
 def forward(q, k, v, problem: Problem):
     """(out, lse) from the forward kernel."""
     dtype = q.dtype
+    given = q
     q, k, v = interpreter_safe(q, k, v)
-    out, lse = outputs(q, problem.Dv)
+    out, lse = outputs(given, problem.Dv, q.dtype)
     if hopper.runs(problem):
         tma = hopper.descriptors(q, k, v, out, _gluon_forward_tiles(problem)[0])
         if tma is not None and _launch_gluon(problem, "hfwd", _hopper_plan, (*tma, lse)):

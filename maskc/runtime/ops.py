@@ -36,6 +36,7 @@ from maskc._slots import Slots
 from maskc.analysis.blockmap import BlockMap
 from maskc.runtime import decode as decoding
 from maskc.runtime import launch, plan
+from maskc.runtime.tiles import MAX_TILE
 from maskc.trace.mods import MaskMod, ScoreMod, mod_of_key
 
 _lock = threading.Lock()
@@ -99,7 +100,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, s
     mask, score, block_map, k, v = _inputs(mask_key, score_key, map_handle, q, k, v)
     if flex_tiles:
         block_map = BlockMap.from_flex_tiles(*flex_tiles, *[None] * (4 - len(flex_tiles)),
-                                             seq_lengths=flex_layout[:2], block_size=flex_layout[2:], mask_mod=mask)
+                                             seq_lengths=flex_layout[:2], block_size=flex_layout[2:], mask_mod=mask,
+                                             largest_tile=MAX_TILE)
     B, Hq, Lq, _ = q.shape
     if 0 in (B, Hq, Lq, k.shape[2]):
         out, lse = launch.no_pairs(q, v)
@@ -220,7 +222,6 @@ def _paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_t
 def _paged_fake(q, k_pages, v_pages, page_table, lens, seq_ids, page_size, mask_key, score_key, scale, enable_gqa):
     decoding.check_slots(seq_ids, q)
     return launch.outputs(q, v_pages.shape[3])
-
 
 
 # -- backward --------------------------------------------------------------------------------

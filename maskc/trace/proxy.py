@@ -196,27 +196,37 @@ class Proxy:
         return call(func, *args, **(kwargs or {}))
 
     # -- what cannot be traced, unless it is made of captured numbers only ------------------
-    def _captured_only(self):
-        """Raise _context.Structural where this value is arithmetic on captured numbers alone
-        (no position, score or tensor element): Python may then take it as a number, as it
-        does in FlexAttention, and the trace starts again with those numbers as constants."""
+    def _python_value(self):
+        """The number or truth value Python asks for (bool(), int(), float()) where this value
+        is made of constants and captured numbers alone (no position, score or tensor element),
+        as FlexAttention hands Python the number: a constant as it folded, or else
+        _context.Structural, and the trace starts again with those captured numbers as
+        constants. None where Python cannot decide."""
         state = _context.current()
-        if state is None:
-            return
+        if state is None or dag.atoms(self.expr, LoadInt, LoadFloat, LoadBool):
+            return None
         symbols = self.expr.free_symbols
-        if symbols and symbols <= state.param_origins.keys() and not dag.atoms(self.expr, LoadInt, LoadFloat,
-                                                                               LoadBool):
+        if not symbols:
+            # the trace keeps comparisons unevaluated: each node evaluated, bottom-up
+            folded = dag.transform(self.expr, lambda e: e.func(*e.args) if e.args else e)
+            return folded if folded.is_Number or folded in (sympy.true, sympy.false) else None
+        if symbols and symbols <= state.param_origins.keys():
             raise _context.Structural(frozenset(state.param_origins[s] for s in symbols))
+        return None
 
     def __bool__(self):
-        self._captured_only()
+        value = self._python_value()
+        if value is not None:
+            return bool(value)
         _context.fail(
             "uses Python control flow ('if', 'and', 'or', 'not', bool() or builtin min/max) on a traced value",
             "use torch.where(cond, a, b), torch.minimum/maximum, or & | ~ instead",
         )
 
     def __index__(self):
-        self._captured_only()
+        value = self._python_value()
+        if value is not None and value.is_Integer:
+            return int(value)
         _context.fail(
             "converts a traced value to a Python int (int(), range(), or indexing a list)",
             "index a captured torch tensor instead, or keep the value symbolic",
@@ -225,7 +235,9 @@ class Proxy:
     __int__ = __index__
 
     def __float__(self):
-        self._captured_only()
+        value = self._python_value()
+        if value is not None and value.is_Number:
+            return float(value)
         _context.fail("converts a traced value to a Python float", "keep the value symbolic")
 
     def __iter__(self):

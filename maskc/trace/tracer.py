@@ -76,6 +76,9 @@ class Traced:
     param_guards: tuple[tuple[int, int], ...] = field(default=(), repr=False, compare=False)
 
     signature: str = ""  # canonical text of expr: equal for equivalent spellings and any values
+    # the divisors made of parameters alone (q_idx / p0, x % (p1 - 1)), checked against zero
+    # whenever the values change (_check_divisors)
+    divisors: tuple = field(default=(), repr=False, compare=False)
 
     def __post_init__(self):
         # computed once (or handed over with the expression it belongs to): the signature is
@@ -330,6 +333,8 @@ def trace(fn, kind: str) -> Traced:
         try:
             traced = _trace_once(target, kind, name, filename, lineno, structural)
         except _context.Structural as reached:
+            _log.info("%s '%s': Python decides on %s, which become constants: a new value compiles a new kernel",
+                      kind, name, ", ".join(sorted(reached.origins)))
             structural |= reached.origins
             continue
         _log.info("traced %s '%s' in %.1f ms; parameters: %s; captured tensors: %d", kind, name,
@@ -395,20 +400,27 @@ def _check_values(traced: Traced) -> None:
     _check_divisors(traced)
 
 
+def _parameter_divisors(expr, params) -> tuple:
+    """The divisors in `expr` made of parameters alone: what _check_divisors evaluates."""
+    symbols = {p.symbol for p in params}
+    found = []
+    for node in dag.atoms(expr, sympy.Pow, sympy.Mod):
+        if node.is_Pow and not (node.exp.is_number and node.exp.is_negative):
+            continue
+        divisor = node.base if node.is_Pow else node.args[1]
+        if divisor.free_symbols and divisor.free_symbols <= symbols and divisor not in found:
+            found.append(divisor)
+    return tuple(found)
+
+
 def _check_divisors(traced: Traced) -> None:
     """Refuse a divisor of captured numbers alone that their values make 0 (`q_idx / d` with
     d = 0.0, `q_idx % (n - 1)` with n = 1), as the tracer refuses a literal one: the block-map
     analysis met sympy's signless complex infinity there and crashed."""
     values = traced.param_values()
-    if not values:
-        return
-    for node in dag.atoms(traced.expr, sympy.Pow, sympy.Mod):
-        if node.is_Pow and not (node.exp.is_number and node.exp.is_negative):
-            continue
-        divisor = node.base if node.is_Pow else node.args[1]
-        symbols = divisor.free_symbols
-        if symbols and symbols <= values.keys() and divisor.xreplace(values) == 0:
-            captured = ", ".join(f"{p.origin} = {p.value}" for p in traced.params if p.symbol in symbols)
+    for divisor in traced.divisors:
+        if divisor.xreplace(values) == 0:
+            captured = ", ".join(f"{p.origin} = {p.value}" for p in traced.params if p.symbol in divisor.free_symbols)
             raise ValueError(f"{traced.kind} '{traced.name}' divides by zero with {captured}; torch gives ±inf or "
                              f"nan there, which attention turns into nan rows: capture a nonzero number")
 
@@ -445,7 +457,8 @@ def _renumber(kind, name, expr, raw_params, tensors, guards, param_guards) -> Tr
     expr = dag.transform(expr, lambda e: type(e)(new_slot[int(e.args[0])], *e.args[1:]) if is_load(e) else e)
     index = {mapping[symbol]: i for i, symbol in enumerate(mapping)}
     param_guards = tuple((g, index.get(mapping.get(symbol), -1)) for g, symbol in param_guards)
-    return Traced(kind, name, expr, tuple(params), tuple(tensors[i] for i in slots), guards, param_guards)
+    return Traced(kind, name, expr, tuple(params), tuple(tensors[i] for i in slots), guards, param_guards,
+                  divisors=_parameter_divisors(expr, params))
 
 
 def retraced(fn, kind: str, old: Traced) -> Traced:
@@ -477,7 +490,7 @@ def _with_new_values(old: Traced) -> Traced | None:
     except Exception:  # as guards_hold: the name, key or attribute is gone
         return None
     params = tuple(Param(p.symbol, v, p.origin) for p, v in zip(old.params, values))
-    renewed = Traced(old.kind, old.name, old.expr, params, old.tensors, tuple(guards), old.param_guards, old.signature)
-    if 0 in values:  # a divisor may have become 0 (the walk only then: a decoding step's offset changes every step)
-        _check_divisors(renewed)
+    renewed = Traced(old.kind, old.name, old.expr, params, old.tensors, tuple(guards), old.param_guards, old.signature,
+                     old.divisors)
+    _check_divisors(renewed)
     return renewed
