@@ -269,7 +269,15 @@ def test_a_plain_function_under_compile_runs_outside_the_graph():
         assert_close_to_reference(attend(q, mask, score), want)
     want, _ = attention_reference(q, q, q, mask_mod=causal, score_mod=shifted)
     assert_close_to_reference(flex(q, shifted, block_mask), want)
+    # torch's create_block_mask keeps the plain function: outside the graph too
     assert_close_to_reference(flex(q, maskc.score_mod(shifted), block_mask), want)
+    full_flex = torch.compile(lambda q, block_mask: maskc.flex_attention(q, q, q, block_mask=block_mask),
+                              backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="a plain function as mask_mod or score_mod runs outside the graph"):
+        full_flex(q, block_mask)
+    block_mask.mask_mod = maskc.mask_mod(causal)  # wrapped once: in the graph
+    want, _ = attention_reference(q, q, q, mask_mod=causal)
+    assert_close_to_reference(full_flex(q, block_mask), want)
 
 
 # -- decoding ----------------------------------------------------------------------------------
@@ -371,5 +379,6 @@ def test_flex_attention_with_new_block_masks_compiles_once():
         torch.testing.assert_close(results[0][0].double(), ref, atol=1e-5, rtol=1e-5)
     assert counter.frame_count == 1 and _no_graph_breaks()
     theirs = torch_create_block_mask(document_causal, None, None, L, L, device="cpu", BLOCK_SIZE=16)
-    with pytest.raises(Exception, match=r"create_block_mask\(maskc.mask_mod\(fn\)"):
+    # torch's BlockMask keeps the plain function: outside the graph, which fullgraph refuses
+    with pytest.raises(Exception, match=r"a plain function as mask_mod or score_mod runs outside the graph"):
         compiled(*leaves, theirs)

@@ -71,7 +71,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         raise NotImplementedError("maskc's kernels do not return max_scores; ask for "
                                   "return_aux=AuxRequest(lse=True) only")
     _ignore(kernel_options)
-    if torch.compiler.is_compiling() and plain_function(None, score_mod):
+    if torch.compiler.is_compiling() and (plain_function(None, score_mod) or _plain_mask_mod(block_mask)):
         # here, not in compiled_attention: outside the graph, a torch BlockMask is converted below
         return _flex_attention_outside_graph(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                              kernel_options, return_aux=return_aux)
@@ -98,6 +98,13 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
 
 _flex_attention_outside_graph = outside_graph(flex_attention)
+
+
+def _plain_mask_mod(block_mask) -> bool:
+    """Whether a torch BlockMask holds a mask_mod maskc has not traced (torch's create_block_mask
+    keeps the function it was given), which the operator cannot name (runtime/ops.py)."""
+    return (isinstance(block_mask, BlockMask) and tuple(block_mask.BLOCK_SIZE) != (_NO_OP_BLOCK, _NO_OP_BLOCK)
+            and plain_function(block_mask.mask_mod, None))
 
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False,
