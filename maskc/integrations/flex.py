@@ -76,9 +76,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         return _flex_attention_outside_graph(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                              kernel_options, return_aux=return_aux)
     mask = bm = None
-    if isinstance(block_mask, BlockMask) and tuple(block_mask.BLOCK_SIZE) == (_NO_OP_BLOCK, _NO_OP_BLOCK):
-        # torch's no-op BlockMask (_create_empty_block_mask: one block over any lengths, made
-        # for lengths (1, 1), which torch's flex_attention does not check): its mask_mod alone
+    if _no_op(block_mask):
         mask = None if block_mask.mask_mod is torch_flex.noop_mask else block_mask.mask_mod
     elif torch.compiler.is_compiling() and isinstance(block_mask, BlockMask):
         bm = block_mask  # its tile tensors are the operator's inputs, converted when it runs (runtime/ops.py)
@@ -100,11 +98,18 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 _flex_attention_outside_graph = outside_graph(flex_attention)
 
 
+def _no_op(block_mask) -> bool:
+    """Whether `block_mask` is torch's no-op BlockMask (_create_empty_block_mask: one block over
+    any lengths, made for lengths (1, 1), which torch's flex_attention does not check): its
+    mask_mod alone applies."""
+    return isinstance(block_mask, BlockMask) and tuple(block_mask.BLOCK_SIZE) == (_NO_OP_BLOCK, _NO_OP_BLOCK)
+
+
 def _plain_mask_mod(block_mask) -> bool:
     """Whether a torch BlockMask holds a mask_mod maskc has not traced (torch's create_block_mask
-    keeps the function it was given), which the operator cannot name (runtime/ops.py)."""
-    return (isinstance(block_mask, BlockMask) and tuple(block_mask.BLOCK_SIZE) != (_NO_OP_BLOCK, _NO_OP_BLOCK)
-            and plain_function(block_mask.mask_mod, None))
+    keeps the function it was given), which the operator cannot name (runtime/ops.py); the no-op
+    one's mask_mod is passed on as mask_mod, where compiled_attention decides."""
+    return isinstance(block_mask, BlockMask) and not _no_op(block_mask) and plain_function(block_mask.mask_mod, None)
 
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False,

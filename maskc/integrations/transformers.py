@@ -63,18 +63,13 @@ class LayerMask:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         raise TypeError(_READ_AS_TENSOR.format(f"{getattr(func, '__name__', func)}() on it"))
 
-    def _arithmetic(self, other):
+    def _arithmetic(self, *_):
         # (a tensor's operators turn the TypeError of __torch_function__ into NotImplemented,
         # and Python then asks these)
         raise TypeError(_READ_AS_TENSOR.format("arithmetic on it"))
 
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _arithmetic
-    __and__ = __rand__ = __or__ = __ror__ = __pow__ = __getitem__ = _arithmetic
-
-    def __invert__(self):
-        raise TypeError(_READ_AS_TENSOR.format("arithmetic on it"))
-
-    __neg__ = __invert__
+    __and__ = __rand__ = __or__ = __ror__ = __pow__ = __getitem__ = __invert__ = __neg__ = _arithmetic
 
 
 _READ_AS_TENSOR = ("this model works on its attention mask as a tensor ({}), but maskc's backend hands each layer "

@@ -210,7 +210,7 @@ class Proxy:
             # the trace keeps comparisons unevaluated: each node evaluated, bottom-up
             folded = dag.transform(self.expr, lambda e: e.func(*e.args) if e.args else e)
             return folded if folded.is_Number or folded in (sympy.true, sympy.false) else None
-        if symbols and symbols <= state.param_origins.keys():
+        if symbols <= state.param_origins.keys():
             raise _context.Structural(frozenset(state.param_origins[s] for s in symbols))
         return None
 

@@ -402,6 +402,8 @@ def _check_values(traced: Traced) -> None:
 
 def _parameter_divisors(expr, params) -> tuple:
     """The divisors in `expr` made of parameters alone: what _check_divisors evaluates."""
+    if not params:  # (no walk of the expression for the common mod without captured numbers)
+        return ()
     symbols = {p.symbol for p in params}
     found = []
     for node in dag.atoms(expr, sympy.Pow, sympy.Mod):
@@ -417,6 +419,8 @@ def _check_divisors(traced: Traced) -> None:
     """Refuse a divisor of captured numbers alone that their values make 0 (`q_idx / d` with
     d = 0.0, `q_idx % (n - 1)` with n = 1), as the tracer refuses a literal one: the block-map
     analysis met sympy's signless complex infinity there and crashed."""
+    if not traced.divisors:  # (a decoding step's new offset comes here every step)
+        return
     values = traced.param_values()
     for divisor in traced.divisors:
         if divisor.xreplace(values) == 0:
