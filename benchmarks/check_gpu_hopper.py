@@ -83,6 +83,14 @@ def cases(Lq, Lkv, H):
     ]
 
 
+# the cases also run with q, k and v in a model's memory order, (B, L, H, D) seen as (B, H, L, D)
+MODEL_LAYOUT_CASES = ("no mask", "causal", "document", "ALiBi causal")
+
+
+def model_layout(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def ran_gluon(key: str = "hfwd") -> bool:
     return any(key in p.launches for p in plans.PLANS.values())
 
@@ -96,6 +104,8 @@ def check(label, q, k, v, mask, score) -> int:
         ref, ref_lse = attention_reference(*exact, **kwargs)
         out, lse = maskc.compiled_attention(*leaves, return_lse=True, **kwargs)
         assert ran_gluon(), "the Gluon forward did not run"
+        # out comes back in q's memory order, as torch's does (the copy engine stores it there)
+        assert out.stride() == q.stride(), f"out strides {out.stride()}, q's {q.stride()}"
         assert_close_to_reference(out, ref, q.dtype)
         finite = torch.isfinite(ref_lse)
         assert torch.equal(torch.isfinite(lse), finite), "lse: -inf rows differ"
@@ -266,6 +276,8 @@ def main():
     parser.add_argument("--no-check", action="store_true", help="the timing table only")
     parser.add_argument("--examples", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="the first two shapes, bfloat16 only")
+    parser.add_argument("--cases", default="", help="names of the named cases to check, separated by | "
+                        "(default: all)")
     parser.add_argument("--shapes", default="", help="indices into SHAPES to check, e.g. 3,4 (default: all)")
     parser.add_argument("--dims", default="128,64", help="head dims of the forward + backward table")
     parser.add_argument("--only", default="", help="workloads of the forward + backward table, separated by |")
@@ -284,8 +296,12 @@ def main():
         k = torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=dtype)
         v = torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=dtype)
         for name, mask, score in cases(Lq, Lkv, Hq):
+            if args.cases and name not in args.cases.split("|"):
+                continue
             label = f"{name:14s} B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} Lkv={Lkv} D={D} {dtype}"
             failures += check(label, q, k, v, mask, score)
+            if name in MODEL_LAYOUT_CASES:
+                failures += check(label + " (B, L, H, D) memory", *map(model_layout, (q, k, v)), mask, score)
     if args.examples and not args.no_check:
         failures += drawn(args.examples)
     print(f"{failures} failures")
