@@ -29,11 +29,12 @@ from maskc.runtime import plan as plans  # noqa: E402
 from workloads import document_ids  # noqa: E402
 
 
-def cases(L: int):
-    for window in (384, 512, 768, 1024, 1536, 2048):
+def cases(L: int, windows, docs):
+    yield "causal", masks.causal
+    for window in windows:
         yield f"sliding window {window}", masks.sliding_window(window)
-    for docs in (24, 12, 6, 3):
-        yield f"document ({docs}), causal", masks.document(document_ids(L, docs, "cuda"), causal=True)
+    for n in docs:
+        yield f"document ({n}), causal", masks.document(document_ids(L, n, "cuda"), causal=True)
 
 
 def tiles_a_row(mask, L: int) -> float:
@@ -46,6 +47,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", default="128,64")
     ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--windows", default="384,512,768,1024,1536,2048")
+    ap.add_argument("--docs", default="24,12,6,3", help="numbers of causal documents packed into the length")
     ap.add_argument("--backward", action="store_true", help="time forward + backward too")
     args = ap.parse_args()
     B, H, L = 4, 16, args.length
@@ -57,7 +60,8 @@ def main():
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         d_out = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
-        for name, mask in cases(L):
+        windows, docs = ([int(x) for x in given.split(",")] for given in (args.windows, args.docs))
+        for name, mask in cases(L, windows, docs):
             def forward():
                 with torch.no_grad():
                     maskc.compiled_attention(q, k, v, mask_mod=mask)

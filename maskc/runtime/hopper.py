@@ -14,9 +14,10 @@ keys (128), the smallest extents the GPU check ran; tensors the copy engine can 
 Where it can, it runs only where it measured faster (benchmarks/check_gpu_hopper.py, H100,
 B=4 H=16 L=8192, one run; benchmarks/NOTES.md): rows of many kv tiles and no score mod beyond
 the split form a·score + row + column. Against the Triton kernel it won on no mask, causal,
-prefix-LM and ALiBi (1.12-1.26× at D=128, 1.01-1.09× at D=64) and on a 1024 sliding window at
-D=128 (1.08×, which the rule leaves: it lost 0.82× at D=64); it lost on 12 causal documents
-(0.55-0.70×: about 6 tiles a row, and each run pays its pipeline's start) and on softcap
+prefix-LM and ALiBi (1.12-1.26× at D=128, 1.01-1.09× at D=64) and on sliding windows of 1024
+keys and more at D=128 (1.04-1.13×; at D=64 they lost up to 4096 keys); it lost on 12 causal
+documents (0.55-0.70×: about 6 tiles a row, and each run pays its pipeline's start), on rows of
+fewer tiles than MIN_TILES_PER_ROW (benchmarks/bench_kernel_choice.py) and on softcap
 (0.46-0.56×: tanh's arithmetic, on 8 math warps a multiprocessor against the Triton kernel's
 12). The dK/dV kernel runs wherever it can, whichever forward ran, and computes dQ as well.
 Against the Triton backward at D=128 (H100, bench_attention.py --backward), forward + backward
@@ -76,9 +77,16 @@ CONSUMER_REGISTERS_D64 = 160
 # dP; at D=128 ptxas (Triton 3.6) still spills up to 112 bytes, which no longer shows among the
 # stall profile's waits (NOTES).
 BACKWARD = {64: tiles.TileConfig(64, 128, 4, 2), 128: tiles.TileConfig(64, 128, 4, 2)}
-# The fewest kv tiles (of CONFIG's 128 keys) a q row keeps on average for the Gluon kernel to
-# be chosen: the sliding window that tied kept ~9, causal at 8192 keeps ~32.
-MIN_TILES_PER_ROW = 16
+# The fewest kv tiles (of CONFIG's 128 keys) a q row keeps on average for the Gluon kernel to be
+# chosen, by head dim (benchmarks/bench_kernel_choice.py, H200, B=4 H=16, forward, Triton ÷ Gluon):
+# at D=128 sliding windows tie from 5.8 to 7.6 tiles a row and win from 8.4 (1.04-1.13); at D=64
+# they lose up to 24.8 (0.83), causal at 4096 keys (16.5 tiles) 0.82, causal at 8192 (32.5) 1.01.
+MIN_TILES_PER_ROW = {128: 8, 64: 32}
+# A mask that reads captured tensors (document ids) needs more: causal documents at D=128 lost at
+# 8.5-10.9 tiles a row (0.86-0.95) and won at 13.8 and 17.1 (1.02, 1.04); at D=64 one document
+# (causal with the ids' loads) lost at 32.5 (0.95). The loads sit in every PARTIAL tile, where the
+# Triton kernel's two or three programs a multiprocessor can hide their latency (not profiled).
+TENSOR_MASK_TILES = 1.5
 # Why a Gluon kernel ("hfwd", "hbwd", "hbwd+dq") failed in this process, by kind: that kind is not
 # tried again. A kernel that did not fit is recorded by what decides its size instead (`failed`):
 # in this module, not on its problem, so that a problem evicted from the plan cache and planned
@@ -171,7 +179,8 @@ def _faster(problem) -> bool:
         return False
     bm, q_multiple, kv_multiple = problem.block_map.for_tiles(CONFIG.block_m, CONFIG.block_n)
     rows = bm.B * bm.H * bm.n_q * q_multiple
-    return (bm.num_full + bm.num_partial) * q_multiple * kv_multiple >= MIN_TILES_PER_ROW * rows
+    fewest = MIN_TILES_PER_ROW[problem.D] * (TENSOR_MASK_TILES if problem.mask and problem.mask.tensors else 1)
+    return (bm.num_full + bm.num_partial) * q_multiple * kv_multiple >= fewest * rows
 
 
 def in_background() -> bool:
@@ -280,6 +289,6 @@ def _descriptors(tensors, blocks):
 
 
 __all__ = ["BACKWARD", "CONFIG", "CONFIG_D64", "CONSUMER_REGISTERS", "CONSUMER_REGISTERS_D64", "CONSUMER_ROWS",
-           "HEAD_DIMS", "MAX_REGISTERS", "MAX_REGISTERS_D64", "MIN_TILES_PER_ROW", "backward_descriptors",
-           "compile_later", "computes_dq", "descriptors", "failed", "forward_tiles", "in_background", "runs",
-           "runs_backward", "settle"]
+           "HEAD_DIMS", "MAX_REGISTERS", "MAX_REGISTERS_D64", "MIN_TILES_PER_ROW", "TENSOR_MASK_TILES",
+           "backward_descriptors", "compile_later", "computes_dq", "descriptors", "failed", "forward_tiles",
+           "in_background", "runs", "runs_backward", "settle"]
