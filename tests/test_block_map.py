@@ -40,6 +40,12 @@ def test_transposed_is_the_transpose(case):
     assert (t.num_full, t.num_partial, t.num_empty) == (bm.num_full, bm.num_partial, bm.num_empty)
 
 
+@given(mask_cases(max_len=96))
+def test_kept_per_row_counts_the_rows_kept_tiles(case):
+    bm = maskc.block_map(case.mask_mod, case.q_len, case.kv_len, block_size=case.block_size, B=case.B, H=case.H)
+    assert torch.equal(bm.kept_per_row(), (bm.to_dense() != EMPTY).sum(-1).flatten())
+
+
 @given(mask_cases())
 def test_runs_are_sorted_and_nonempty(case):
     on_host = []  # whether the map was worked out on the host (rows.py), whose runs are the fewest

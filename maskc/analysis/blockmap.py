@@ -111,6 +111,18 @@ class BlockMap:
     def num_partial(self) -> int:
         return _tiles(self.partial_runs)
 
+    def kept_per_row(self) -> torch.Tensor:
+        """The kept (FULL or PARTIAL) tiles of each of the B·H·n_q rows of tiles, on the map's device.
+
+        >>> maskc.block_map(maskc.masks.causal, 512, 512).kept_per_row().tolist()
+        [1, 2, 3, 4]
+        """
+        kept = torch.zeros(self.B * self.H * self.n_q, dtype=torch.int64, device=self.device)
+        for offsets, runs in ((self.full_offsets, self.full_runs), (self.partial_offsets, self.partial_runs)):
+            ends = torch.nn.functional.pad((runs[:, 1] - runs[:, 0]).long().cumsum(0), (1, 0))
+            kept += ends[offsets[1:].long()] - ends[offsets[:-1].long()]
+        return kept
+
     @property
     def num_empty(self) -> int:
         return self.B * self.H * self.n_q * self.n_kv - self.num_full - self.num_partial

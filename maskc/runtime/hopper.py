@@ -77,16 +77,18 @@ CONSUMER_REGISTERS_D64 = 160
 # dP; at D=128 ptxas (Triton 3.6) still spills up to 112 bytes, which no longer shows among the
 # stall profile's waits (NOTES).
 BACKWARD = {64: tiles.TileConfig(64, 128, 4, 2), 128: tiles.TileConfig(64, 128, 4, 2)}
-# The fewest kv tiles (of CONFIG's 128 keys) a q row keeps on average for the Gluon kernel to be
-# chosen, by head dim (benchmarks/bench_kernel_choice.py, H200, B=4 H=16, forward, Triton ÷ Gluon):
-# at D=128 sliding windows tie from 5.8 to 7.6 tiles a row and win from 8.4 (1.04-1.13); at D=64
-# they lose up to 24.8 (0.83), causal at 4096 keys (16.5 tiles) 0.82, causal at 8192 (32.5) 1.01.
-MIN_TILES_PER_ROW = {128: 8, 64: 32}
-# A mask that reads captured tensors (document ids) needs more: causal documents at D=128 lost at
-# 8.5-10.9 tiles a row (0.86-0.95) and won at 13.8 and 17.1 (1.02, 1.04); at D=64 one document
-# (causal with the ids' loads) lost at 32.5 (0.95). The loads sit in every PARTIAL tile, where the
-# Triton kernel's two or three programs a multiprocessor can hide their latency (not profiled).
-TENSOR_MASK_TILES = 1.5
+# The fewest kv tiles (of CONFIG's 128 keys) a q row keeps on average for the Gluon forward to be
+# chosen, by head dim: (rows of about one length, rows whose lengths vary: spread std ÷ mean above
+# VARIED_ROWS). benchmarks/bench_kernel_choice.py, H200, B=4 H=16, forward, Triton ÷ Gluon:
+#   D=128, sliding windows at 8192 keys (spread 0.2-0.3): a tie from 5.8 to 7.6 tiles a row, won
+#     from 8.4 (1.04-1.13); causal (spread 0.58) lost at 8.5 (0.93, 2048 keys), won at 16.5 and
+#     32.5 (1.14, 1.15); causal documents lost at 8.5-10.9 (0.86-0.95), won at 13.8 and 17.1.
+#   D=64: sliding windows lost up to 24.8 (0.83), causal at 16.5 (0.82), tied at 32.5 (1.01).
+MIN_TILES_PER_ROW = {128: (8, 12), 64: (32, 32)}
+VARIED_ROWS = 0.4
+# At D=64 a mask that reads captured tensors needs more: one causal document (causal's rows, with
+# the ids' loads in every PARTIAL tile) lost at 32.5 tiles a row (0.95) where causal tied.
+TENSOR_MASK_TILES = {128: 1.0, 64: 1.5}
 # Why a Gluon kernel ("hfwd", "hbwd", "hbwd+dq") failed in this process, by kind: that kind is not
 # tried again. A kernel that did not fit is recorded by what decides its size instead (`failed`):
 # in this module, not on its problem, so that a problem evicted from the plan cache and planned
@@ -177,10 +179,14 @@ def forward_tiles(head_dim: int, map_q_tile: int, scored: bool) -> tuple[tiles.T
 def _faster(problem) -> bool:
     if problem.score is not None and not problem.forward_kernel.kernel_source.split_score:
         return False
-    bm, q_multiple, kv_multiple = problem.block_map.for_tiles(CONFIG.block_m, CONFIG.block_n)
-    rows = bm.B * bm.H * bm.n_q * q_multiple
-    fewest = MIN_TILES_PER_ROW[problem.D] * (TENSOR_MASK_TILES if problem.mask and problem.mask.tensors else 1)
-    return (bm.num_full + bm.num_partial) * q_multiple * kv_multiple >= fewest * rows
+    bm, _, kv_multiple = problem.block_map.for_tiles(CONFIG.block_m, CONFIG.block_n)
+    # a map tile of several kernel q tiles stands for as many rows, each as long
+    kept = bm.kept_per_row().double() * kv_multiple
+    mean = kept.mean()
+    even, varied = MIN_TILES_PER_ROW[problem.D]
+    fewest = (varied if kept.std(correction=0) > VARIED_ROWS * mean else even) \
+        * (TENSOR_MASK_TILES[problem.D] if problem.mask and problem.mask.tensors else 1)
+    return bool(mean >= fewest)
 
 
 def in_background() -> bool:
@@ -290,5 +296,5 @@ def _descriptors(tensors, blocks):
 
 __all__ = ["BACKWARD", "CONFIG", "CONFIG_D64", "CONSUMER_REGISTERS", "CONSUMER_REGISTERS_D64", "CONSUMER_ROWS",
            "HEAD_DIMS", "MAX_REGISTERS", "MAX_REGISTERS_D64", "MIN_TILES_PER_ROW", "TENSOR_MASK_TILES",
-           "backward_descriptors", "compile_later", "computes_dq", "descriptors", "failed", "forward_tiles",
-           "in_background", "runs", "runs_backward", "settle"]
+           "VARIED_ROWS", "backward_descriptors", "compile_later", "computes_dq", "descriptors", "failed",
+           "forward_tiles", "in_background", "runs", "runs_backward", "settle"]

@@ -1,0 +1,288 @@
+"""Evaluate a traced expression on torch tensors, with the kernel's semantics.
+
+This is the dense fallback of the block-map analysis (and of reclassifying tiles the
+interval analysis could not decide). Python and torch semantics throughout: `//` floors,
+`%` takes the divisor's sign; integer operations on int64 (shifts as torch's: counts past
+the width give 0 or the sign); Trunc rounds toward zero; sign(0) = 0; a negative
+captured-tensor index counts from the end (torch's t[-1]) and one still out of range reads 0
+(False for bool tensors), exactly as the generated kernel does,
+and an element is read as int64 or float64, so that arithmetic on it cannot wrap (the kernel
+reads narrow types as int32 and float32).
+
+Each distinct node is evaluated once: nested torch.where builds expressions whose tree is
+exponentially larger than the number of distinct nodes. A value needed again is kept only
+until its last use, so that memory stays near what evaluating the tree would hold.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE
+
+
+def evaluate(expr, env: dict, tensors, params: dict):
+    """Value of `expr` with index symbols bound to tensors in `env` (keys B, H, Q_IDX, KV_IDX,
+    optionally SCORE), captured tensors by slot, and parameter symbols bound in `params`; on
+    the device of env's tensors (an expression free of them is a constant: a CPU scalar)."""
+    evaluator = _Evaluator(env, tensors, params, _uses(expr))
+    return evaluator.run(expr).to(evaluator.device)
+
+
+def _uses(expr) -> dict:
+    """How many times evaluating `expr` asks for each compound node, counted once per distinct
+    parent; a Piecewise asks for its branches' conditions and values directly."""
+    uses, todo = {}, [expr]
+    while todo:
+        node = todo.pop()
+        args = [a for pair in node.args for a in pair.args] if isinstance(node, sympy.Piecewise) else node.args
+        for a in args:
+            if a.args:
+                seen = uses.get(a, 0)
+                uses[a] = seen + 1
+                if not seen:
+                    todo.append(a)
+    return uses
+
+
+class _Evaluator:
+    def __init__(self, env, tensors, params, uses):
+        self.env, self.tensors, self.params = env, tensors, params
+        self.left = uses  # node -> uses still to come, for the nodes used more than once
+        self.kept = {}
+        # Constants stay 0-d CPU tensors, which torch's elementwise ops take beside tensors on
+        # any device as scalars (no copy to the GPU). Only what expands or indexes with them
+        # must move them: Max(0, q_idx - 2) and loads at constant indices failed on CUDA.
+        self.device = next((v.device for v in env.values()), torch.device("cpu"))
+
+    def run(self, e):
+        value = self.kept.get(e)
+        if value is not None:
+            self.left[e] -= 1
+            if not self.left[e]:
+                del self.kept[e]
+            return value
+        value = self._value(e)
+        if self.left.get(e, 0) > 1:
+            self.kept[e] = value
+            self.left[e] -= 1
+        return value
+
+    def _value(self, e):
+        if e is sympy.true:
+            return torch.tensor(True)
+        if e is sympy.false:
+            return torch.tensor(False)
+        if isinstance(e, sympy.Integer):
+            return torch.tensor(int(e))
+        if isinstance(e, (sympy.Rational, sympy.Float)) or e.is_Number:
+            return torch.tensor(float(e), dtype=torch.float64)
+        if isinstance(e, sympy.Symbol):
+            if e in self.env:
+                return self.env[e]
+            return torch.tensor(self.params[e])
+        if e is sympy.pi or e is sympy.E:
+            return torch.tensor(float(e), dtype=torch.float64)
+        method = getattr(self, "_" + type(e).__name__, None)
+        if method is None:
+            raise NotImplementedError(f"dense evaluation of {type(e).__name__} ({e}) is not implemented")
+        return method(e)
+
+    def _args(self, e):
+        return [self.run(a) for a in e.args]
+
+    def _Add(self, e):
+        out = self.run(e.args[0])
+        for a in e.args[1:]:
+            out = out + self.run(a)
+        return out
+
+    def _Mul(self, e):
+        out = self.run(e.args[0])
+        for a in e.args[1:]:
+            out = out * self.run(a)
+        return out
+
+    def _Pow(self, e):
+        base, exp = self._args(e)
+        if e.exp.is_integer and e.exp.is_nonnegative:
+            return base**exp  # integers stay integers, as torch's int ** int
+        return base.to(torch.float64) ** exp
+
+    def _floor(self, e):
+        num, den = sympy.fraction(sympy.together(e.args[0]))
+        if den != 1:
+            return torch.div(self.run(num), self.run(den), rounding_mode="floor")
+        return torch.floor(self.run(e.args[0]))
+
+    def _ceiling(self, e):
+        num, den = sympy.fraction(sympy.together(e.args[0]))
+        if den != 1:
+            return -torch.div(-self.run(num), self.run(den), rounding_mode="floor")
+        return torch.ceil(self.run(e.args[0]))
+
+    def _Trunc(self, e):
+        num, den = sympy.fraction(sympy.together(e.args[0]))
+        if den != 1 and num.is_integer and den.is_integer:
+            # exactly: sympy writes (q - kv) / 3 as q/3 - kv/3, whose float value can round below 1
+            return torch.div(self.run(num), self.run(den), rounding_mode="trunc")
+        x = self.run(e.args[0])
+        return torch.trunc(x).to(torch.int64) if x.is_floating_point() else x.to(torch.int64)
+
+    def _Mod(self, e):
+        a, b = self._args(e)
+        return torch.remainder(a, b)
+
+    def _Min(self, e):
+        out = self.run(e.args[0])
+        for a in e.args[1:]:
+            out = torch.minimum(out, self.run(a))
+        return out
+
+    def _Max(self, e):
+        out = self.run(e.args[0])
+        for a in e.args[1:]:
+            out = torch.maximum(out, self.run(a))
+        return out
+
+    def _Abs(self, e):
+        return torch.abs(self.run(e.args[0]))
+
+    def _sign(self, e):
+        return torch.sign(self.run(e.args[0]))
+
+    def _Heaviside(self, e):
+        x = self.run(e.args[0]).to(torch.float64)
+        at_zero = float(e.args[1]) if len(e.args) > 1 else 0.5
+        return torch.where(x > 0, 1.0, torch.where(x == 0, at_zero, 0.0)).to(torch.float64)
+
+    def _exp(self, e):
+        return torch.exp(self.run(e.args[0]).to(torch.float64))
+
+    def _log(self, e):
+        return torch.log(self.run(e.args[0]).to(torch.float64))
+
+    def _tanh(self, e):
+        return torch.tanh(self.run(e.args[0]).to(torch.float64))
+
+    def _atan(self, e):
+        return torch.atan(self.run(e.args[0]).to(torch.float64))
+
+    def _sin(self, e):
+        return torch.sin(self.run(e.args[0]).to(torch.float64))
+
+    def _cos(self, e):
+        return torch.cos(self.run(e.args[0]).to(torch.float64))
+
+    def _erf(self, e):
+        return torch.erf(self.run(e.args[0]).to(torch.float64))
+
+    def _Float16(self, e):
+        return self.run(e.args[0]).to(torch.float32).to(torch.float16).to(torch.float64)
+
+    def _BFloat16(self, e):
+        return self.run(e.args[0]).to(torch.float32).to(torch.bfloat16).to(torch.float64)
+
+    def _BitAnd(self, e):
+        return torch.bitwise_and(*self._integers(e))
+
+    def _BitOr(self, e):
+        return torch.bitwise_or(*self._integers(e))
+
+    def _BitXor(self, e):
+        return torch.bitwise_xor(*self._integers(e))
+
+    def _LeftShift(self, e):
+        return torch.bitwise_left_shift(*self._integers(e))
+
+    def _RightShift(self, e):
+        return torch.bitwise_right_shift(*self._integers(e))
+
+    def _integers(self, e):
+        return [v.to(torch.int64) for v in self._args(e)]
+
+    def _Piecewise(self, e):
+        out = self.run(e.args[-1].expr)
+        for branch in reversed(e.args[:-1]):
+            out = torch.where(self.run(branch.cond), self.run(branch.expr), out)
+        return out
+
+    def _GreaterThan(self, e):
+        a, b = self._args(e)
+        return a >= b
+
+    def _StrictGreaterThan(self, e):
+        a, b = self._args(e)
+        return a > b
+
+    def _LessThan(self, e):
+        a, b = self._args(e)
+        return a <= b
+
+    def _StrictLessThan(self, e):
+        a, b = self._args(e)
+        return a < b
+
+    def _Equality(self, e):
+        a, b = self._args(e)
+        return a == b
+
+    def _Unequality(self, e):
+        a, b = self._args(e)
+        return a != b
+
+    def _And(self, e):
+        out = self.run(e.args[0])
+        for a in e.args[1:]:
+            out = out & self.run(a)
+        return out
+
+    def _Or(self, e):
+        out = self.run(e.args[0])
+        for a in e.args[1:]:
+            out = out | self.run(a)
+        return out
+
+    def _Xor(self, e):
+        out = self.run(e.args[0])
+        for a in e.args[1:]:
+            out = out ^ self.run(a)
+        return out
+
+    def _Not(self, e):
+        return ~self.run(e.args[0])
+
+    def _ITE(self, e):
+        cond, a, b = self._args(e)
+        return torch.where(cond, a, b)
+
+    def _load(self, e):
+        tensor = self.tensors[int(e.args[0])]
+        # indices beside the tensor: a constant index is a CPU scalar
+        index = [self.run(i).to(self.device) for i in e.args[1:]]
+        if not index:  # a 0-d tensor's one element
+            return self._widened(tensor.to(self.device).reshape(()))
+        inside = True
+        clamped = []
+        for dim, i in enumerate(torch.broadcast_tensors(*index)):
+            i = torch.where(i < 0, i + tensor.shape[dim], i)  # from the end, as torch indexes
+            inside = inside & (i >= 0) & (i < tensor.shape[dim])
+            clamped.append(i.clamp(0, tensor.shape[dim] - 1).to(torch.long))
+        value = self._widened(tensor.to(self.device)[tuple(clamped)])
+        return torch.where(inside, value, torch.zeros((), dtype=value.dtype, device=value.device))
+
+    @staticmethod
+    def _widened(value):
+        # as the kernel's loads read (_widen): arithmetic on the value never wraps or rounds
+        return value.to(torch.float64 if value.dtype.is_floating_point else torch.int64)
+
+    _LoadInt = _LoadFloat = _LoadBool = _load
+
+
+def symbols_env(b, h, q_idx, kv_idx, score=None) -> dict:
+    env = {B: b, H: h, Q_IDX: q_idx, KV_IDX: kv_idx}
+    if score is not None:
+        env[SCORE] = score
+    return env
+
+

@@ -1,0 +1,609 @@
+"""Print traced expressions as Triton expressions that keep Python's and torch's semantics.
+
+One `_print_<Node>` per sympy node; anything else is an error (strict).
+
+Parentheses follow Python's precedence, as Triton parses the text with Python's parser: each
+rule returns its text with the precedence of its outermost operator, and an operand is
+parenthesised only where it binds looser than its operator needs (`_Prec`). Sums and
+products are chained left to right in sympy's argument order, as they were evaluated when
+every compound was parenthesised, and a term with a negative coefficient is subtracted
+(`a - 2 * b` for a + (-2) * b, which IEEE arithmetic and integer wraparound round alike).
+A precedence mistake is a silent wrong answer: tests/test_printer.py evaluates the printed
+text of random expressions as Python and compares it with maskc's dense evaluation of the tree.
+
+- `//` and `%` follow Python (floor, divisor's sign). When sympy can prove the dividend
+  nonnegative and the divisor a positive literal, the plain operators agree with Python
+  and are printed; otherwise the helpers `_floordiv` / `_mod` / `_ceildiv` of the template.
+- Integer-valued true division stays true division (`/` of a Rational prints a float).
+- Captured-tensor loads count a negative index from the end (torch's t[-1]), are masked to
+  the tensor's bounds (an index still out of range reads 0) and widened where they are read,
+  by the template's `_widen`: float16/bfloat16 to float32, int8/int16/uint8 (and bool) to
+  int32, so that no arithmetic runs in a narrow type.
+- Positions meet floats in float: a sum of ±q_idx, ±kv_idx and integer literals inside a
+  float expression (ALiBi's `(kv_idx - q_idx) * slope`) is printed over `q_idx_f`/`kv_idx_f`,
+  the position vectors converted once per tile, instead of converting every element of the
+  tile (an int-to-float conversion runs at a quarter of the FMA rate on Hopper). Exact while
+  positions stay below 2^24; a sum of two terms rounds once either way. Integer arguments
+  of float functions (exp, sin, 2**x, ...) are converted the same way, as torch does.
+  Products and powers of positions inside a float expression are computed in float too:
+  the trace keeps no casts, and `(q_idx - kv_idx).float() ** 3` printed over int32
+  positions wraps past a difference of 1290 (the GPU check's arctangent mod at 4097 rows).
+- A function of numbers alone (exp(3), 1/sqrt(pi) in erf's derivative) is printed as its
+  float value: Triton's math functions take tensors, not Python numbers.
+- torch's integer operations: `&`, `|`, `^` as Triton's; shifts through `_lshift` /
+  `_rshift`, in int64 with torch's rule for shift counts past the width (0, or the sign);
+  Trunc (`.long()`) converts to int64, rounding toward zero.
+- A float cast to float16 or bfloat16 inside a mod is rounded and read back (`_rounded`).
+- sign(0) = 0 (torch.sign); Heaviside(x, h0) takes the value h0 at 0 (sympy's argument).
+  DiracDelta and Derivative are refused with the reason: maskc differentiates score mods
+  itself (render.score_derivative), where steps have derivative 0 as in torch.
+
+The template's helpers a printer called, with the helpers they call, are in `helpers`: a
+generated file defines only those.
+
+Shared subexpressions: nested torch.where builds expressions whose subexpressions repeat, so
+that the tree is exponentially larger than the number of distinct nodes. `block` prints a
+subexpression whose text is needed more than once as one statement `_name0 = ...` and uses
+the name after it; text needed once stays inline, so simple masks print as they read.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+from itertools import islice
+from typing import NamedTuple
+
+import sympy
+from sympy.printing.codeprinter import CodePrinter
+
+from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE
+
+_NAMES = {B: "off_b", H: "off_h", Q_IDX: "q_idx", KV_IDX: "kv_idx", SCORE: "score"}
+_FLOAT_POSITIONS = {Q_IDX: "q_idx_f", KV_IDX: "kv_idx_f"}
+# the positions as real symbols, so that a polynomial in them prints as float arithmetic
+_FLOAT_SYMBOLS = {position: sympy.Symbol(name, real=True) for position, name in _FLOAT_POSITIONS.items()}
+# A shared subexpression this short (a name, a literal, one operation on names) is repeated
+# rather than named: reading it costs less than looking up a statement.
+_INLINE_CHARS = 24
+# The template's helpers that call other helpers (templates/_prelude.py.jinja).
+_HELPER_CALLS = {"_ceildiv": ("_floordiv",), "_truncdiv": ("_floordiv",)}
+
+
+class _Prec(IntEnum):
+    """Python's precedence of the operators the printer writes, loosest first. Comparisons
+    are looser than `|`, `^` and `&` (`a & b == 0` is `(a & b) == 0`) and chain (`a < b < c`
+    is two comparisons), so a comparison that is an operand of one is parenthesised too."""
+
+    COMPARE = 1
+    OR = 2
+    XOR = 3
+    AND = 4
+    ADD = 5  # + -
+    MUL = 6  # * / // %
+    UNARY = 7  # -x ~x
+    ATOM = 8  # names, literals, calls
+
+
+class _Text(NamedTuple):
+    """Printed text and the precedence of its outermost operator."""
+
+    text: str
+    prec: _Prec
+
+    def operand(self, prec: int) -> str:
+        """The text as an operand that must bind at least as tightly as `prec`: for a
+        left-associative operator at precedence P, P on its left and P + 1 on its right."""
+        return self.text if self.prec >= prec else f"({self.text})"
+
+
+def _atom(text: str) -> _Text:
+    return _Text(text, _Prec.ATOM)
+
+
+def _literal(text: str) -> _Text:
+    return _Text(text, _Prec.UNARY if text.startswith("-") else _Prec.ATOM)
+
+
+def _join(texts, op: str, prec: _Prec) -> _Text:
+    """`a op b op c`, evaluated left to right as Python does; one text is returned as it is."""
+    first, *rest = texts
+    if not rest:
+        return first
+    return _Text(" ".join([first.operand(prec), *(f"{op} {t.operand(prec + 1)}" for t in rest)]), prec)
+
+
+def _attribute_of(t: _Text) -> str:
+    """`t` as the object of an attribute (`x.to(...)`); a number needs parentheses too (`3.to`)."""
+    return t.text if t.prec == _Prec.ATOM and not t.text[0].isdigit() else f"({t.text})"
+
+
+def _quotient(e):
+    """(numerator, denominator) of `e` over one denominator: (q_idx - kv_idx, 3) for
+    q_idx/3 - kv_idx/3. Not sympy.together: it rebuilds a product with evaluation, which
+    distributes a rational coefficient over a sum again, so that -1/2 * (p0 + q_idx) (an
+    unevaluated -(p0 + q_idx) divided by 2) came back as -p0/2 - q_idx/2 over 1, and an integer
+    quotient printed as a float division."""
+    return e.as_numer_denom()
+
+
+@dataclass(frozen=True)
+class Printed:
+    """Triton text of an expression: statements to run first, then its value."""
+
+    statements: tuple[str, ...]
+    value: str
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names the statements define, for code in another scope that reads them."""
+        return tuple(statement.split(" = ", 1)[0] for statement in self.statements)
+
+
+class TritonPrinter(CodePrinter):
+    """`TritonPrinter().doprint(expr)` -> Triton source text for `expr`, all of it inline
+    (exponentially long for deeply shared subexpressions: kernels are printed by `block`).
+    `helpers` holds the names of the template's helpers that the printed text calls, with the
+    helpers those call.
+
+    >>> TritonPrinter().doprint(sympy.floor((Q_IDX - KV_IDX) / 3))
+    '_floordiv(q_idx - kv_idx, 3)'
+    """
+
+    printmethod = "_tritoncode"
+    language = "Triton"
+    _default_settings = {**CodePrinter._default_settings, "strict": True, "human": True}
+
+    def __init__(self, negative_indices: bool = True):
+        super().__init__()
+        self.helpers: set[str] = set()
+        # False: the caller knows every captured-tensor index is nonnegative where the kernel runs
+        self.negative_indices = negative_indices
+        self._reset(counts=None, uses={}, prefix="")
+
+    def _reset(self, counts, uses, prefix):
+        self._counts = counts  # while counting: how often each node's text is asked for
+        self._uses = uses  # while printing: those counts
+        self._prefix = prefix
+        self._done = {}  # node -> its _Text, or that of its statement's name
+        self._statements = []
+
+    def doprint(self, expr, assign_to=None) -> str:
+        self._reset(counts=None, uses={}, prefix="")
+        return self._print(expr)
+
+    def block(self, exprs, prefix: str) -> list[Printed]:
+        """Triton text of each of `exprs`, for code that runs them in order in one scope.
+
+        A subexpression needed more than once, within one expression or across them, is
+        printed once as a statement `{prefix}N = ...` before its first use, unless its text is
+        short enough to repeat; everything else stays inline. "Needed" counts what the printing
+        rules ask for (x twice in x**2), so the rules run once over everything to count first.
+
+        >>> x = sympy.tanh(SCORE / 30)
+        >>> TritonPrinter().block([30 * x, 1 - x**2], "_score")
+        [Printed(statements=('_score0 = _tanh(0.03333333333333333 * score)',), value='30 * _score0'),
+         Printed(statements=(), value='1 - _score0 * _score0')]
+        """
+        self._reset(counts={}, uses={}, prefix=prefix)
+        for e in exprs:
+            self._text(e)
+        self._reset(counts=None, uses=self._counts, prefix=prefix)
+        out = []
+        for e in exprs:
+            start = len(self._statements)
+            value = self._print(e)
+            out.append(Printed(tuple(self._statements[start:]), value))
+        return out
+
+    def _print(self, expr, **kwargs) -> str:
+        return self._text(expr).text
+
+    def _text(self, expr) -> _Text:
+        if self._counts is not None:
+            seen = self._counts.get(expr, 0)
+            self._counts[expr] = seen + 1
+            return self._rule(expr) if not seen else _atom("_")
+        text = self._done.get(expr)
+        if text is None:
+            text = self._rule(expr)
+            if self._uses.get(expr, 0) > 1 and len(text.text) > _INLINE_CHARS and self._prefix:
+                name = f"{self._prefix}{len(self._statements)}"
+                self._statements.append(f"{name} = {text.text}")
+                text = _atom(name)
+            self._done[expr] = text
+        return text
+
+    def _rule(self, expr) -> _Text:
+        if isinstance(expr, (sympy.Function, sympy.Pow)) and not expr.is_Atom and expr.is_number:
+            value = expr.evalf(30)  # more digits than a float64 has, so that it rounds once
+            if value.is_Float:
+                return _literal(repr(float(value)))
+        # Only our own rules: sympy's generic fallbacks would print names Triton cannot run.
+        for cls in type(expr).__mro__:
+            rule = TritonPrinter.__dict__.get(f"_print_{cls.__name__}")
+            if rule is not None:
+                return rule(self, expr)
+        raise ValueError(f"maskc cannot print {type(expr).__name__} ({describe(expr, 40)}) for Triton; "
+                         f"add a _print_{type(expr).__name__} rule to maskc/codegen/printer.py")
+
+    def _helper(self, name: str, *args: str) -> _Text:
+        """A call of the template's helper `name`, which the generated file must then define."""
+        self.helpers.update((name, *_HELPER_CALLS.get(name, ())))
+        return _atom(f"{name}({', '.join(args)})")
+
+    def _binary(self, a, op: str, b, prec: _Prec) -> _Text:
+        return _join([self._text(a), self._text(b)], op, prec)
+
+    # -- atoms --------------------------------------------------------------------------------
+    def _print_Symbol(self, e):
+        return _atom(_NAMES.get(e, e.name))
+
+    def _print_Integer(self, e):
+        return _literal(str(int(e)))
+
+    _print_Zero = _print_One = _print_NegativeOne = _print_Integer
+
+    def _print_Rational(self, e):
+        return _literal(repr(float(e)))
+
+    _print_Half = _print_Rational
+
+    def _print_Float(self, e):
+        return _literal(repr(float(e)))
+
+    def _print_Infinity(self, e):
+        return _atom('float("inf")')
+
+    def _print_NegativeInfinity(self, e):
+        return _atom('float("-inf")')
+
+    def _print_NaN(self, e):
+        return _atom('float("nan")')
+
+    def _print_BooleanTrue(self, e):
+        return _atom("True")
+
+    def _print_BooleanFalse(self, e):
+        return _atom("False")
+
+    def _print_Exp1(self, e):
+        return _literal(repr(float(sympy.E)))
+
+    def _print_Pi(self, e):
+        return _literal(repr(float(sympy.pi)))
+
+    # -- arithmetic ---------------------------------------------------------------------------
+    def _print_Add(self, e):
+        floats = not e.is_integer
+        first, *rest = e.args
+        text = self._factor(first, floats).operand(_Prec.ADD)
+        for a in rest:
+            negated, magnitude = self._summand(a, floats)
+            text += f" {'-' if negated else '+'} {magnitude.operand(_Prec.ADD + 1)}"
+        return _Text(text, _Prec.ADD)
+
+    def _summand(self, a, floats) -> tuple[bool, _Text]:
+        """(negated, text) of a term after the first of a sum: a negative number or a product
+        with a negative coefficient is subtracted, so that the sum reads `x - 2 * y`."""
+        if floats and _position_sum(a) and a.is_Mul:  # -position
+            return True, _atom(_FLOAT_POSITIONS[a.args[1]])
+        if a.is_Number and a.is_negative:
+            return True, self._text(-a)
+        if a.is_Mul and a.args[0].is_Number and a.args[0].is_negative:
+            coefficient = [] if a.args[0] is sympy.S.NegativeOne else [self._text(-a.args[0])]
+            return True, _join(coefficient + [self._factor(f, floats or not a.is_integer) for f in a.args[1:]], "*",
+                               _Prec.MUL)
+        return False, self._factor(a, floats)
+
+    def _print_Mul(self, e):
+        floats = not e.is_integer
+        if e.args[0] is sympy.S.NegativeOne:  # -x * y rather than -1 * x * y
+            first, *rest = [self._factor(a, floats) for a in e.args[1:]]
+            return _join([_Text(f"-{first.operand(_Prec.UNARY)}", _Prec.UNARY), *rest], "*", _Prec.MUL)
+        return _join([self._factor(a, floats) for a in e.args], "*", _Prec.MUL)
+
+    def _factor(self, a, floats) -> _Text:
+        """A term of a sum or a factor of a product: over the float positions where the sum or
+        product is a float and `a` a sum of positions, or a polynomial in them."""
+        if floats and _position_sum(a):
+            return self._float_positions(a)
+        if floats and _position_polynomial(a):
+            return self._text(a.xreplace(_FLOAT_SYMBOLS))
+        return self._text(a)
+
+    def _float_positions(self, e) -> _Text:
+        if e.is_Add:
+            first, *rest = e.args
+            text = self._float_positions(first).text
+            for t in rest:
+                negated = t.is_Mul or t.is_negative  # -position, or a negative literal
+                text += f" {'-' if negated else '+'} {self._float_positions(-t if negated else t).text}"
+            return _Text(text, _Prec.ADD)
+        if e in _FLOAT_POSITIONS:
+            return _atom(_FLOAT_POSITIONS[e])
+        if e.is_Integer:
+            return _literal(repr(float(e)))
+        return _Text(f"-{_FLOAT_POSITIONS[e.args[1]]}", _Prec.UNARY)  # -1 * position
+
+    def _float(self, e) -> _Text:
+        """Text of `e` as a float: an integer expression is converted, as torch's float
+        functions convert integer tensors."""
+        if not e.is_integer:
+            return self._text(e)
+        if e.is_Number:
+            return _literal(repr(float(e)))
+        if _position_sum(e):
+            return self._float_positions(e)
+        if _position_polynomial(e):
+            return self._text(e.xreplace(_FLOAT_SYMBOLS))
+        return _atom(f"{_attribute_of(self._text(e))}.to(tl.float32)")
+
+    def _print_Pow(self, e):
+        base, exp = e.args
+        # score**2.0 is score * score, as in torch; past 64 factors, the general rule below
+        if exp.is_Number and exp.is_finite and float(exp).is_integer() and abs(float(exp)) <= 64:
+            n = int(exp)
+            if n == 0:
+                return _atom("1")
+            product = _join([self._text(base)] * abs(n), "*", _Prec.MUL)
+            return product if n > 0 else _Text(f"1.0 / {product.operand(_Prec.MUL + 1)}", _Prec.MUL)
+        if exp.is_Number and float(exp) == 0.5:
+            return _atom(f"tl.sqrt({self._float(base).text})")
+        if exp.is_Number and float(exp) == -0.5:
+            return _Text(f"1.0 / tl.sqrt({self._float(base).text})", _Prec.MUL)
+        if base.is_Number and float(base) == 2.0:
+            return _atom(f"tl.math.exp2({self._float(exp).text})")
+        if base.is_Number and base > 0:
+            return _atom(f"tl.math.exp2({math.log2(base)!r} * {self._float(exp).operand(_Prec.MUL + 1)})")
+        return _atom(f"tl.exp({self._float(exp).operand(_Prec.MUL)} * tl.log({self._float(base).text}))")
+
+    def _print_floor(self, e):
+        num, den = _quotient(e.args[0])
+        if den == 1:
+            return _atom(f"tl.floor({self._print(e.args[0])})")
+        if not (num.is_integer and den.is_integer):
+            return _atom(f"tl.floor({self._binary(num, '/', den, _Prec.MUL).text})")
+        if num.is_nonnegative and den.is_Integer and den > 0:
+            return self._binary(num, "//", den, _Prec.MUL)
+        return self._helper("_floordiv", self._print(num), self._print(den))
+
+    def _print_ceiling(self, e):
+        num, den = _quotient(e.args[0])
+        if den == 1:
+            return _atom(f"tl.ceil({self._print(e.args[0])})")
+        if not (num.is_integer and den.is_integer):
+            return _atom(f"tl.ceil({self._binary(num, '/', den, _Prec.MUL).text})")
+        return self._helper("_ceildiv", self._print(num), self._print(den))
+
+    def _print_Mod(self, e):
+        a, m = e.args
+        if not (a.is_integer and m.is_integer):
+            if m.is_Rational:  # exact: floor of a rational quotient prints integer division
+                floor = self._print_floor(sympy.floor(a / m, evaluate=False))
+            else:
+                floor = _atom(f"tl.floor({self._binary(a, '/', m, _Prec.MUL).text})")
+            return _join([self._text(a), _join([self._text(m), floor], "*", _Prec.MUL)], "-", _Prec.ADD)
+        if a.is_nonnegative and m.is_Integer and m > 0:
+            return self._binary(a, "%", m, _Prec.MUL)
+        return self._helper("_mod", self._print(a), self._print(m))
+
+    def _fold(self, fn, e):
+        out = self._print(e.args[0])
+        for a in e.args[1:]:
+            out = f"{fn}({out}, {self._print(a)})"
+        return _atom(out)
+
+    def _print_Min(self, e):
+        return self._fold("tl.minimum", e)
+
+    def _print_Max(self, e):
+        return self._fold("tl.maximum", e)
+
+    def _print_Abs(self, e):
+        return _atom(f"tl.abs({self._print(e.args[0])})")
+
+    def _print_sign(self, e):
+        return self._helper("_sign", self._print(e.args[0]))
+
+    def _print_Heaviside(self, e):
+        x = self._text(e.args[0]).operand(_Prec.COMPARE + 1)
+        at_zero = e.args[1] if len(e.args) > 1 else sympy.Rational(1, 2)
+        if at_zero.is_Number and float(at_zero) == 1.0:
+            return _atom(f"tl.where({x} >= 0, 1.0, 0.0)")
+        if at_zero.is_Number and float(at_zero) == 0.0:
+            return _atom(f"tl.where({x} > 0, 1.0, 0.0)")
+        return _atom(f"tl.where({x} > 0, 1.0, tl.where({x} == 0, {self._print(at_zero)}, 0.0))")
+
+    def _print_exp(self, e):
+        return _atom(f"tl.exp({self._float(e.args[0]).text})")
+
+    def _print_log(self, e):
+        return _atom(f"tl.log({self._float(e.args[0]).text})")
+
+    def _print_Float16(self, e):
+        return self._helper("_rounded", self._float(e.args[0]).text, "tl.float16")
+
+    def _print_BFloat16(self, e):
+        return self._helper("_rounded", self._float(e.args[0]).text, "tl.bfloat16")
+
+    def _print_tanh(self, e):
+        return self._helper("_tanh", self._float(e.args[0]).text)
+
+    def _print_atan(self, e):
+        return self._helper("_atan", self._float(e.args[0]).text)
+
+    def _print_sin(self, e):
+        return _atom(f"tl.sin({self._float(e.args[0]).text})")
+
+    def _print_cos(self, e):
+        return _atom(f"tl.cos({self._float(e.args[0]).text})")
+
+    def _print_erf(self, e):
+        return _atom(f"tl.math.erf({self._float(e.args[0]).text})")
+
+    def _print_Piecewise(self, e):
+        out = self._print(e.args[-1].expr)
+        if e.args[-1].cond is not sympy.true:
+            raise ValueError(f"Piecewise {describe(e, 40)} has no default branch; "
+                             f"build it with torch.where(cond, a, b)")
+        for branch in reversed(e.args[:-1]):
+            out = f"tl.where({self._print(branch.cond)}, {self._print(branch.expr)}, {out})"
+        return _atom(out)
+
+    def _print_DiracDelta(self, e):
+        raise ValueError(f"maskc cannot print DiracDelta ({describe(e, 40)}), the derivative of a step: maskc "
+                         f"takes the derivative of sign and Heaviside as 0, as torch does; differentiate with "
+                         f"maskc.codegen.render.score_derivative, not sympy.diff")
+
+    def _print_Derivative(self, e):
+        raise ValueError(f"maskc cannot print Derivative ({describe(e, 40)}): the expression has no derivative there; "
+                         f"differentiate with maskc.codegen.render.score_derivative, which says where")
+
+    # -- integer operations (maskc/trace/symbols.py) ------------------------------------------
+    def _print_BitAnd(self, e):
+        return self._binary(e.args[0], "&", e.args[1], _Prec.AND)
+
+    def _print_BitOr(self, e):
+        return self._binary(e.args[0], "|", e.args[1], _Prec.OR)
+
+    def _print_BitXor(self, e):
+        return self._binary(e.args[0], "^", e.args[1], _Prec.XOR)
+
+    def _print_LeftShift(self, e):
+        return self._helper("_lshift", self._print(e.args[0]), self._print(e.args[1]))
+
+    def _print_RightShift(self, e):
+        return self._helper("_rshift", self._print(e.args[0]), self._print(e.args[1]))
+
+    def _print_Trunc(self, e):
+        if e.args[0].is_Number:
+            return _literal(str(int(e.args[0])))
+        num, den = _quotient(e.args[0])
+        if den != 1 and num.is_integer and den.is_integer:
+            # an integer quotient toward zero, exactly: sympy writes (q - kv) / 3 as q/3 - kv/3,
+            # whose float value can round below the integer it equals
+            return self._helper("_truncdiv", self._print(num), self._print(den))
+        return _atom(f"{_attribute_of(self._text(e.args[0]))}.to(tl.int64)")
+
+    # -- logic --------------------------------------------------------------------------------
+    def _relation(self, e, op):
+        # both sides bind tighter than a comparison: `(a < b) == c`, never a chain
+        lhs, rhs = self._text(e.lhs), self._text(e.rhs)
+        return _Text(f"{lhs.operand(_Prec.COMPARE + 1)} {op} {rhs.operand(_Prec.COMPARE + 1)}", _Prec.COMPARE)
+
+    def _print_GreaterThan(self, e):
+        return self._relation(e, ">=")
+
+    def _print_StrictGreaterThan(self, e):
+        return self._relation(e, ">")
+
+    def _print_LessThan(self, e):
+        return self._relation(e, "<=")
+
+    def _print_StrictLessThan(self, e):
+        return self._relation(e, "<")
+
+    def _print_Equality(self, e):
+        return self._relation(e, "==")
+
+    def _print_Unequality(self, e):
+        return self._relation(e, "!=")
+
+    def _print_And(self, e):
+        return _join([self._text(a) for a in e.args], "&", _Prec.AND)
+
+    def _print_Or(self, e):
+        return _join([self._text(a) for a in e.args], "|", _Prec.OR)
+
+    def _print_Xor(self, e):
+        return _join([self._text(a) for a in e.args], "^", _Prec.XOR)
+
+    def _print_Not(self, e):
+        return _Text(f"~{self._text(e.args[0]).operand(_Prec.UNARY)}", _Prec.UNARY)
+
+    def _print_ITE(self, e):
+        return _atom(f"tl.where({self._print(e.args[0])}, {self._print(e.args[1])}, {self._print(e.args[2])})")
+
+    # -- captured tensors ---------------------------------------------------------------------
+    def _print_load(self, e):
+        slot = int(e.args[0])
+        if len(e.args) == 1:
+            return self._helper("_widen", f"tl.load(T{slot})")
+        offset, inside = self._element(e, f"T{slot}")
+        # `!= 0`: Triton's interpreter gives `scalar_bool & block_bool` a dtype tl.load refuses
+        return self._helper("_widen", f"tl.load(T{slot} + {offset}, mask=({inside}) != 0, other=0)")
+
+    _print_LoadInt = _print_LoadFloat = _print_LoadBool = _print_load
+
+    def _element(self, load, name: str) -> tuple[str, str]:
+        """(offset, inside) of captured tensor element `load` in a tensor `name` with strides
+        `{name}_stride{d}` and the captured tensor's sizes. An index that can be negative counts
+        from the end, as torch's indexing does (t[-1] is the last element; an index that neither
+        sympy nor the caller (`negative_indices`) proves nonnegative, like q_idx - kv_idx, pays a
+        select for it); one still out of range reads 0."""
+        slot = int(load.args[0])
+        index = []
+        for d, i in enumerate(load.args[1:]):
+            text = self._text(i)
+            if self.negative_indices and not i.is_nonnegative:
+                at = text.operand(_Prec.COMPARE + 1)
+                text = _atom(f"tl.where({at} < 0, {text.operand(_Prec.ADD)} + T{slot}_size{d}, {text.text})")
+            index.append(text)
+        offset = " + ".join(f"{i.operand(_Prec.MUL)} * {name}_stride{d}" for d, i in enumerate(index))
+        inside = " & ".join(f"({i.operand(_Prec.COMPARE + 1)} >= 0) & ({i.operand(_Prec.COMPARE + 1)} < T{slot}_size{d})"
+                            for d, i in enumerate(index))
+        return offset, inside
+
+    def address(self, load, name: str) -> tuple[str, str]:
+        """(offset, inside) of captured tensor element `load` (`_element`): where a kernel
+        accumulates the gradient of that element. Inline text (no statements), for any scope."""
+        self._reset(counts=None, uses={}, prefix="")
+        if len(load.args) == 1:
+            return "0", "1"
+        return self._element(load, name)
+
+
+def _position_sum(e) -> bool:
+    """Whether `e` is ±q_idx, ±kv_idx and integer literals summed, with a position in it."""
+    terms = e.args if e.is_Add else (e,)
+    return all(_position_term(t) or (t.is_Integer and abs(int(t)) < 2**24) for t in terms) and any(
+        _position_term(t) for t in terms)
+
+
+def _position_polynomial(e) -> bool:
+    """Whether `e` is a polynomial in the positions with integer coefficients (sums, products
+    and powers of at most 64 of position sums and integer literals), a position in it."""
+    def polynomial(x) -> bool:
+        if x.is_Integer:
+            return abs(int(x)) < 2**24
+        if x.is_Pow:
+            return x.exp.is_Integer and 1 < int(x.exp) <= 64 and polynomial(x.base)
+        if x.is_Add or x.is_Mul:
+            return all(polynomial(a) for a in x.args)
+        return x in _FLOAT_POSITIONS
+    # the walk stops at the first node of another kind; free_symbols walks the whole tree, which
+    # for a nest of torch.where is exponential, so it comes last
+    return polynomial(e) and bool(e.free_symbols)
+
+
+def _position_term(t) -> bool:
+    return t in _FLOAT_POSITIONS or (t.is_Mul and len(t.args) == 2 and t.args[0] == -1
+                                     and t.args[1] in _FLOAT_POSITIONS)
+
+
+def describe(expr, limit: int = 400) -> str:
+    """str(expr) for people (comments, error messages), or a summary when its tree is large:
+    str walks the tree, exponentially larger than the expression for nested torch.where."""
+    if sum(1 for _ in islice(sympy.preorder_traversal(expr), limit + 1)) <= limit:
+        return str(expr)
+    return f"{type(expr).__name__}(...), over {limit} subexpressions as a tree"
+
+
+def tensor_args(slot: int, rank: int) -> list[str]:
+    """Kernel argument names for captured tensor `slot`: pointer, then strides and sizes."""
+    name = f"T{slot}"
+    return [name] + [f"{name}_stride{d}" for d in range(rank)] + [f"{name}_size{d}" for d in range(rank)]
+
+
+__all__ = ["Printed", "TritonPrinter", "describe", "tensor_args"]

@@ -1,0 +1,256 @@
+"""A Hugging Face transformers backend: attn_implementation="maskc".
+
+>>> import maskc.integrations.transformers
+>>> maskc.integrations.transformers.register()
+>>> model = AutoModelForCausalLM.from_config(config, attn_implementation="maskc")
+
+transformers describes each kind of layer's mask (causal, sliding window, chunked,
+bidirectional, with padding and packed sequences folded in) as one FlexAttention-style mask
+function, and asks the backend's mask function to turn it into whatever the attention layers
+receive. maskc's turns it into a LayerMask: that function traced once per forward pass into a
+MaskMod, at absolute positions, with padded keys dropped. Every layer of that kind runs the
+same MaskMod, so only the first traces, analyses tiles and looks up kernels; the others reuse
+its plan. Cache offsets and window sizes are captured numbers and padding, position ids and
+document ids captured tensors: runtime values of one kernel, never a recompile, and nothing
+is evaluated per (query, key) pair.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import sdpa_mask
+
+import maskc
+from maskc.runtime.api import outside_graph
+
+
+@dataclass(frozen=True)
+class LayerMask:
+    """What the layers of one kind receive as `attention_mask` for one forward pass.
+
+    `mask_mod` sees query i as token q_offset + i of the sequence and key j as token
+    kv_offset + j (the offsets of the KV cache), and drops padded keys.
+    """
+
+    mask_mod: maskc.MaskMod
+    q_len: int
+    kv_len: int
+
+    # With a static cache, generate() builds each step's masks ahead of the forward pass, calls
+    # contiguous() on them and hands them to the model, whose mask preparation passes on a mask
+    # that is not 2-d (a padding mask) to the mask function: layer_mask() returns it as it is.
+    ndim = 4
+
+    def contiguous(self) -> "LayerMask":
+        return self
+
+    # A model that works on the mask itself instead of handing it to its attention function
+    # (bloom adds its ALiBi to it, xglm asks its size, doge its dtype) gets this, not a crash
+    # in its own code (an AttributeError, so that hasattr() stays False).
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(_READ_AS_TENSOR.format(f"its .{name}"))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(_READ_AS_TENSOR.format(f"{getattr(func, '__name__', func)}() on it"))
+
+    def _arithmetic(self, *_):
+        # (a tensor's operators turn the TypeError of __torch_function__ into NotImplemented,
+        # and Python then asks these)
+        raise TypeError(_READ_AS_TENSOR.format("arithmetic on it"))
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _arithmetic
+    __and__ = __rand__ = __or__ = __ror__ = __pow__ = __getitem__ = __invert__ = __neg__ = _arithmetic
+
+
+_READ_AS_TENSOR = ("this model works on its attention mask as a tensor ({}), but maskc's backend hands each layer "
+                   "a traced mask that only maskc's attention function reads; use attn_implementation='sdpa' or "
+                   "'eager' for this model")
+
+
+def register(name: str = "maskc") -> str:
+    """Register maskc with transformers under `name`: its attention function with
+    AttentionInterface and its mask function with AttentionMaskInterface. Returns `name`.
+
+    >>> maskc.integrations.transformers.register()
+    'maskc'
+    >>> model = AutoModelForCausalLM.from_config(config, attn_implementation="maskc")
+    """
+    # Older releases call mask functions with cache_position instead: checked on transformers'
+    # own SDPA mask function, which takes what every mask function is given
+    if "q_offset" not in inspect.signature(sdpa_mask).parameters:
+        raise ImportError(f"maskc's transformers backend needs mask functions called with q_length and q_offset "
+                          f"(transformers 5.7 or later), got transformers {transformers.__version__}; upgrade it: "
+                          f"pip install -U 'maskc[hf]'")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, layer_mask)
+    return name
+
+
+def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, *,
+               mask_function, attention_mask: torch.Tensor | LayerMask | None = None, **kwargs) -> LayerMask:
+    """transformers' mask interface for maskc: `mask_function` with the cache offsets and the
+    2-d padding mask `attention_mask` (True: a real token) folded in, as one LayerMask.
+
+    The other keywords transformers passes (config, dtype, device, local_size, the skip flags of
+    the SDPA path) change nothing here: the mask function already holds the pattern.
+
+    Under torch.compile this runs outside the graph (one graph break per forward pass, before
+    the layers); the layers' graph receives the LayerMask.
+    """
+    if isinstance(attention_mask, LayerMask):  # built ahead by generate() for this step
+        return attention_mask
+    # a static cache gives the offset as a 0-d tensor (so that compiled graphs need not read it);
+    # the trace needs a Python number, which becomes a kernel argument
+    q_offset = int(q_offset)
+    padding = None
+    if attention_mask is not None:
+        # keys past the end of the mask (a static cache's empty slots) are padding too
+        padding = F.pad(attention_mask, (0, max(0, kv_offset + kv_length - attention_mask.shape[-1])))
+        if bool(padding.all()):  # no padded key: no captured tensor for the tiles to read
+            padding = None
+    return LayerMask(_StepMask.of(mask_function, padding, q_offset, kv_offset), q_length, kv_length)
+
+
+# (torch.compiler.disable's decorator takes reason= from torch 2.8 only: outside_graph decides)
+layer_mask = outside_graph(layer_mask, reason="maskc traces the model's mask function in Python, once per forward pass")
+
+
+class _StepMask:
+    """The mask of one kind of layer in one forward pass: the model's mask function at the cache
+    offsets, with padded keys dropped.
+
+    transformers makes its mask functions anew on every forward pass. One _StepMask, and its
+    MaskMod, serves every pass whose mask function has the same structure (the same code,
+    composed the same way): each pass rebinds the function, offsets and padding, which maskc's
+    trace guards re-read, so the kernel and the MaskMod stay and only the values change. A
+    compiled graph, which names the MaskMod, then runs again instead of recompiling each pass.
+    """
+
+    _interned = threading.local()
+
+    def __init__(self, mask_function, padding, q_offset: int, kv_offset: int):
+        self.mask_function, self.padding = mask_function, padding
+        self.q_offset, self.kv_offset = q_offset, kv_offset
+
+    @classmethod
+    def of(cls, mask_function, padding, q_offset: int, kv_offset: int) -> maskc.MaskMod:
+        table = cls._interned.__dict__.setdefault("table", {})
+        key = (_structure(mask_function), padding is None)
+        found = table.get(key)
+        if found is None:
+            found = table[key] = maskc.MaskMod(cls(mask_function, padding, q_offset, kv_offset),
+                                               name="transformers_mask")
+        else:
+            step = found.fn
+            step.mask_function, step.padding, step.q_offset, step.kv_offset = (mask_function, padding, q_offset,
+                                                                               kv_offset)
+        return found
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        kv = kv_idx + self.kv_offset
+        kept = self.mask_function(b, h, q_idx + self.q_offset, kv)
+        return kept if self.padding is None else kept & self.padding[b, kv]
+
+
+def _structure(fn) -> tuple:
+    """What a mask function computes, less the tensors it captures: its code, the numbers it
+    closes over (a window size) and, recursively, the functions it closes over (and_masks'
+    tuple of them). Two kinds of layer whose masks differ only in a number (two window sizes)
+    get two _StepMasks, so building one kind's mask never rebinds another's in the same pass."""
+    if isinstance(fn, (tuple, list)):
+        return tuple(_structure(f) for f in fn)
+    if isinstance(fn, functools.partial):
+        return ("partial", _structure(fn.func), *(_structure(a) for a in fn.args),
+                *((k, _structure(a)) for k, a in sorted(fn.keywords.items())))
+    if isinstance(fn, (int, float, bool, str, type(None))):
+        return (type(fn), fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return (type(fn),)  # a tensor, or a callable object: compared by the trace's guards
+    return (code, *(_structure(_contents(c)) for c in fn.__closure__ or ()))
+
+
+def _contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell: a name the function reads, bound after it was made
+        return None
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                      softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface for maskc: query [B, Hq, Lq, D], key and value
+    [B, Hkv, Lkv, D] (grouped-query attention when Hkv < Hq) with the LayerMask of layer_mask();
+    returns (output [B, Lq, Hq, Dv], None): maskc never forms the attention weights.
+    `softcap` (Gemma 2's attn_logit_softcapping) becomes a score_mod. `sliding_window` is
+    already in the LayerMask (it is read only where a layer gets no mask); the flash-attention
+    keywords (cu_seq_lens, position_ids) are ignored.
+    """
+    if dropout:
+        raise ValueError(f"maskc attention has no dropout, got dropout={dropout} (the model's attention_dropout "
+                         f"while training); set config.attention_dropout = 0.0, or train with another "
+                         f"attn_implementation")
+    for name, what in (("s_aux", "attention sinks"), ("position_bias", "a position bias tensor (T5-style)"),
+                       ("cache", "a paged cache (continuous batching)")):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"maskc attention does not take {what} yet, got {name}; use "
+                                      f"attn_implementation='eager' or 'sdpa' for this model")
+    out = maskc.compiled_attention(query, key, value, mask_mod=_mask_mod(module, attention_mask, query, key, kwargs),
+                                   score_mod=_softcap(softcap) if softcap else None, scale=scaling,
+                                   enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _mask_mod(module, attention_mask, query, key, kwargs) -> maskc.MaskMod | None:
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if isinstance(attention_mask, LayerMask):
+        if (attention_mask.q_len, attention_mask.kv_len) != (q_len, kv_len):
+            raise ValueError(f"the mask was built for {attention_mask.q_len} queries and {attention_mask.kv_len} keys "
+                             f"but layer {getattr(module, 'layer_idx', '?')} has {q_len} and {kv_len}; the model "
+                             f"changes its keys after building the mask, which maskc's mask cannot follow: use "
+                             f"attn_implementation='sdpa' for it")
+        return attention_mask.mask_mod
+    if attention_mask is None:
+        # no mask was built for this call (a module used on its own, or a model that passes none)
+        is_causal = kwargs.get("is_causal")
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        return _causal_from(kv_len - q_len, kwargs.get("sliding_window")) if is_causal else None
+    got = (f"a {attention_mask.dim()}-d {attention_mask.dtype} tensor" if isinstance(attention_mask, torch.Tensor)
+           else type(attention_mask).__name__)
+    raise TypeError(f"maskc attention takes the mask that maskc's mask function builds, got {got} (a mask "
+                    f"prepared outside the model's mask functions); pass a 2-d attention_mask for padding or "
+                    f"position_ids for packed sequences, or use attn_implementation='sdpa' for custom 4-d masks")
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_from(offset: int, window: int | None) -> maskc.MaskMod:
+    """Causal with the queries at the end of the keys (query i is key offset + i), within the
+    last `window` keys when given (transformers' sliding_window); traced once per value pair."""
+    if window is None:
+        def causal_after_cache(b, h, q_idx, kv_idx):
+            return q_idx + offset >= kv_idx
+    else:
+        def causal_after_cache(b, h, q_idx, kv_idx):
+            return (q_idx + offset >= kv_idx) & (q_idx + offset - kv_idx < window)
+    return maskc.MaskMod(causal_after_cache)
+
+
+@functools.lru_cache(maxsize=16)
+def _softcap(cap: float) -> maskc.ScoreMod:
+    """One ScoreMod per cap, so that each layer's call does not trace it again."""
+    return maskc.scores.softcap(cap)
+
+
+__all__ = ["LayerMask", "attention_forward", "layer_mask", "register"]

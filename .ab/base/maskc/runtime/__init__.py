@@ -1,0 +1,21 @@
+"""Stage 4 of the pipeline: plan, cache, load and launch generated kernels.
+
+api (public functions) → autograd → launch (LaunchPlans) → plan (validation, tiles, the call's
+block map) → kernel (CompiledKernel) → cache/loader; tiles owns tile sizes, settings
+(maskc/settings.py) every environment knob. paged holds PagedKVCache, which appends to a paged
+KV cache with its own kernels (_cache_kernels.py).
+"""
+from maskc.runtime.api import compile, compiled_attention, paged_attention
+from maskc.runtime.cache import KERNELS, CacheInfo
+from maskc.runtime.kernel import CompiledKernel
+from maskc.runtime.paged import PagedKVCache
+from maskc.settings import cache_dir
+
+
+def cache_info() -> CacheInfo:
+    """Counters of the kernel cache: CacheInfo(hits, misses, disk_hits, currsize)."""
+    return KERNELS.info()
+
+
+__all__ = ["CacheInfo", "CompiledKernel", "PagedKVCache", "cache_dir", "cache_info", "compile",
+           "compiled_attention", "paged_attention"]

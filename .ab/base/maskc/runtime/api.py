@@ -1,0 +1,161 @@
+"""The runtime's public functions: compiled_attention(), paged_attention() and compile()."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from maskc.analysis.blockmap import BlockMap
+from maskc.runtime import decode, launch, ops, plan
+from maskc.runtime.autograd import AttentionFunction, NoPairs
+from maskc.runtime.dtypes import DTYPES
+from maskc.runtime.kernel import CompiledKernel, kernel_for
+from maskc.runtime.paged import PagedKVCache
+from maskc.runtime.tiles import check_block_size
+from maskc.trace.mods import MaskMod, ScoreMod, as_mask_mod, as_score_mod
+
+# What Dynamo says where a plain function reaches compiled_attention under torch.compile: the
+# operator names a mod by the key maskc gave it when it traced it, and Dynamo must not trace
+# maskc's tracer. Such a call runs outside the graph (a graph break; with fullgraph=True,
+# Dynamo's error with this reason), as Dynamo runs any Python it cannot trace: it had raised
+# a TypeError there, which Dynamo took for a graph break and went on to trace maskc's eager
+# path and Triton's interpreter, crashing and leaving the compiled function broken for later
+# calls.
+PLAIN_FUNCTION = ("maskc: a plain function as mask_mod or score_mod runs outside the graph; decorate it with "
+                  "@maskc.mask_mod or @maskc.score_mod, or wrap it once outside the compiled code (maskc.mask_mod(fn)), "
+                  "to keep the call in the graph")
+
+
+def plain_function(mask_mod, score_mod) -> bool:
+    """Whether a mod is neither None nor traced by maskc yet (a MaskMod or ScoreMod)."""
+    return (mask_mod is not None and not isinstance(mask_mod, MaskMod)) or (
+        score_mod is not None and not isinstance(score_mod, ScoreMod))
+
+
+def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enable_gqa=False, return_lse=False,
+                       block_map: BlockMap | None = None, kv_lens: torch.Tensor | None = None):
+    """Attention with a specialised, tile-skipping kernel; differentiable in q, k and v.
+
+    q [B, Hq, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv] (FlexAttention's shapes); k and
+    v may have batch 1, shared by every batch of q.
+    Returns out [B, Hq, Lq, Dv], or (out, lse) with lse [B, Hq, Lq] in natural log (float32;
+    float64 for float64 inputs, which exist for gradcheck and run slowly); both differentiable.
+    Rows with no kept key give out = 0 and lse = -inf. CPU tensors run the same generated
+    kernel through Triton's interpreter. A negative index into a captured tensor counts from
+    its end (as torch's); one still out of range reads 0.
+    A block_map must come from maskc.block_map() for this mask, its values and captured
+    tensors, with tiles that are powers of two from 16 to 256 (any of them: the kernels read
+    it at their own tiles); without mask_mod, the map's own mask runs (as FlexAttention takes
+    a BlockMask's).
+
+    kv_lens, an int tensor [B], is for decoding and chunked prefill (no gradients): keys at
+    positions >= kv_lens[b] are ignored, and the Lq queries are the last Lq tokens, at
+    positions kv_lens[b] - Lq + i, which mask_mod and score_mod see (so masks.causal is right
+    at every step); a query before position 0 gets out 0 and lse -inf. A block_map is then
+    built over Lkv × Lkv positions. Few query rows (Lq · Hq/Hkv <= 64) without gradients
+    take the split-KV decoding kernel.
+
+    >>> out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.sliding_window(1024))
+    >>> out = maskc.compiled_attention(q_step, k_cache, v_cache, mask_mod=maskc.masks.causal, kv_lens=lens)
+    """
+    if torch.compiler.is_compiling():
+        if plain_function(mask_mod, score_mod):
+            return _compiled_attention_outside_graph(q, k, v, mask_mod, score_mod, scale, enable_gqa, return_lse,
+                                                   block_map, kv_lens)
+        # Dynamo traces this branch alone: maskc's Python runs inside the operators (runtime/ops.py)
+        if kv_lens is not None:
+            out, lse = ops.decode(q, k, v, kv_lens, mask_mod, score_mod, scale, enable_gqa, block_map)
+        else:
+            out, lse = ops.attention(q, k, v, mask_mod, score_mod, scale, enable_gqa, block_map)
+        return (out, lse) if return_lse else out
+    plan.check_tensors(q, k, v, enable_gqa)
+    mask, score = plan.mask_of_call(as_mask_mod(mask_mod), block_map), as_score_mod(score_mod)
+    B, Hq, Lq, D = q.shape
+    if k.shape[0] != B:
+        # views over q's batch: autograd sums their gradients back into k and v
+        k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
+    differentiable = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v))
+                                                  or plan.captured_need_grad(mask, score))
+    if 0 in (B, Hq, Lq, k.shape[2]):
+        out, lse = NoPairs.apply(q, k, v) if differentiable else launch.no_pairs(q, v)
+        return (out, lse) if return_lse else out
+    if kv_lens is not None or decode.wanted(q, k, differentiable):
+        if differentiable:
+            raise NotImplementedError("kv_lens is for decoding and chunked prefill, which maskc runs without "
+                                      "gradients; call it under torch.no_grad(), or detach q, k, v and the mods' "
+                                      "captured tensors")
+        out, lse = decode.contiguous(q, k, v, mask, score, scale, kv_lens, block_map)
+        return (out, lse) if return_lse else out
+    if block_map is not None:
+        problem = plan.given(q, k, v, mask, score, scale, block_map)
+    else:
+        problem = plan.planned(q, k, v, mask, score, scale, launch.seconds)
+    if differentiable:
+        out, lse = AttentionFunction.apply(q, k, v, problem, *problem.grad_tensors)
+    else:
+        out, lse = launch.forward(q, k, v, problem)
+    return (out, lse) if return_lse else out
+
+
+def paged_attention(q, cache: PagedKVCache, seq_ids, *, mask_mod=None, score_mod=None, scale=None,
+                    enable_gqa=False, return_lse=False):
+    """Attention of q over the sequences `seq_ids` of a paged cache, without gradients.
+
+    q [B, Hq, Lq, D] holds the queries of the last Lq tokens of each listed sequence, whose
+    keys and values are already appended; seq_ids is an int tensor [B] of the cache's slots.
+    As with compiled_attention's kv_lens, query i of sequence b sits at position
+    lens[slot] - Lq + i and mask_mod and score_mod see logical positions (b is the index in
+    this batch). A step does no host synchronisation and allocates only its outputs, so it
+    can be captured in a CUDA graph once a first call has planned it.
+
+    >>> cache.append(seq_ids, k_new, v_new)
+    >>> out = maskc.paged_attention(q, cache, seq_ids, mask_mod=maskc.masks.causal, enable_gqa=True)
+    """
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be a maskc.PagedKVCache, got {type(cache).__name__}")
+    if torch.compiler.is_compiling():
+        if plain_function(mask_mod, score_mod):
+            return _paged_attention_outside_graph(q, cache, seq_ids, mask_mod=mask_mod, score_mod=score_mod,
+                                                   scale=scale, enable_gqa=enable_gqa, return_lse=return_lse)
+        out, lse = ops.paged(q, cache.k_pages, cache.v_pages, cache.page_table, cache.lens, seq_ids, cache.page_size,
+                             mask_mod, score_mod, scale, enable_gqa)
+        return (out, lse) if return_lse else out
+    out, lse = decode.paged(q, cache.k_pages, cache.v_pages, cache.page_table, cache.lens, seq_ids, cache.page_size,
+                            as_mask_mod(mask_mod), as_score_mod(score_mod), scale, enable_gqa)
+    return (out, lse) if return_lse else out
+
+
+def outside_graph(fn, reason: str = PLAIN_FUNCTION):
+    """`fn` as Dynamo runs it: outside the graph, saying `reason` where this torch can (2.8 and
+    later; maskc supports 2.5). Made at import: Dynamo refuses to trace torch.compiler.disable."""
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        return torch.compiler.disable(fn, reason=reason)
+    return torch.compiler.disable(fn)
+
+
+_compiled_attention_outside_graph = outside_graph(compiled_attention)
+_paged_attention_outside_graph = outside_graph(paged_attention)
+
+
+def compile(mask_mod=None, score_mod=None, *, dtype=torch.bfloat16, head_dim: int = 128,
+            head_dim_v: int | None = None, enable_gqa: bool = False, block_size=None, device=None) -> CompiledKernel:
+    """The forward kernel specialised to `mask_mod` and `score_mod`, from cache or freshly generated.
+
+    One kernel file serves every head dim, tile size and (but float64) dtype: those are launch
+    values, checked here as compiled_attention() would.
+
+    >>> kernel = maskc.compile(mask_mod=maskc.masks.causal, dtype=torch.bfloat16, head_dim=128)
+    >>> print(kernel.source)     # the Triton source that runs
+    >>> kernel.path              # where it is cached on disk
+    """
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype}; cast q, k and v")
+    plan.check_head_dims(head_dim, head_dim_v or head_dim, names=("head_dim", "head_dim_v"))
+    if block_size is not None:
+        check_block_size(block_size)
+    mask, score = as_mask_mod(mask_mod), as_score_mod(score_mod)
+    return kernel_for("fwd", mask.traced if mask else None, score.traced if score else None, dtype, device)
+
+
+__all__ = ["compile", "compiled_attention", "paged_attention"]

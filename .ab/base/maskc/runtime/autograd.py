@@ -1,0 +1,44 @@
+"""The autograd Functions around the launches: attention, and attention with no pairs."""
+from __future__ import annotations
+
+import torch
+
+from maskc.runtime import launch
+from maskc.runtime.plan import Problem
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Attention differentiable in q, k, v and the captured tensors problem.grad_tensors, which
+    follow `problem` as inputs so that autograd hands their gradients back."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, problem: Problem, *captured):
+        out, lse = launch.forward(q, k, v, problem)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.problem = problem
+        # an output the loss does not use gets None, not a tensor of zeros: lse mostly
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv, *captured = launch.backward(q, k, v, out, lse, d_out, d_lse, ctx.problem)
+        return dq, dk, dv, None, *captured
+
+
+class NoPairs(torch.autograd.Function):
+    """Attention with no (q, kv) pair (a length, B or H is 0): out is 0 and lse -inf whatever
+    q, k and v hold, so every gradient is zero, as SDPA's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in (q, k, v)]
+        return launch.no_pairs(q, v)
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
+
+
+__all__ = ["AttentionFunction", "NoPairs"]

@@ -1,0 +1,335 @@
+"""Kernel cache: generated sources by signature, in memory and on disk.
+
+Files are named for people (`fwd_bf16_d128_bm128_bn64_<hash>.py`), written atomically and
+only when missing. The first line of each holds the sha256 of the rest, checked when the file
+is read and again before it is imported: a file that fails it (edited, truncated, garbage) is
+rendered again and replaced, with a warning. A cache directory that cannot be written
+(read-only, or a file) still serves the kernels it holds; new ones go to a private temporary
+directory for the rest of the process, with a warning. `MASKC_CACHE_DIR` overrides the
+location; `MASKC_DEBUG=1` prints each source as it is rendered or read (maskc/settings.py).
+
+Care of the directory (`maskc cache`): the second line of each file records what made it
+(maskc's version, the codegen hash, Triton's version, the mask), so that entries no install of
+this version can read again are known as stale. A file's access time is its last use: maskc
+sets it whenever a process reads or loads the file. MASKC_CACHE_MAX_SIZE caps the kernels'
+size: after each write the least recently used files go until the rest fit. Deleting never
+races a load: a process holds a shared lock (flock on the directory) from checking a file to
+the end of its import, and deletions take it exclusively; a file deleted before a process
+loads it is written again from the text that process holds.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+from maskc.settings import cache_dir, cache_max_size, debug
+
+_log = logging.getLogger(__name__)
+
+
+class CacheInfo(NamedTuple):
+    """hits: kernels found in memory; misses: kernels rendered by this process;
+    disk_hits: kernels read from disk without rendering; currsize: kernels in memory."""
+
+    hits: int
+    misses: int
+    disk_hits: int
+    currsize: int
+
+
+class SourceCache:
+    """Signature -> CompiledKernel in memory; signature -> source file on disk."""
+
+    def __init__(self):
+        self._memory: dict = {}
+        self._lock = threading.Lock()
+        self._spares: dict[Path, Path] = {}  # unwritable cache directory -> the temporary one used instead
+        self.hits = self.misses = self.disk_hits = 0
+
+    def info(self) -> CacheInfo:
+        return CacheInfo(self.hits, self.misses, self.disk_hits, len(self._memory))
+
+    def clear(self) -> None:
+        """Forget the in-memory kernels and the counters (files on disk stay)."""
+        with self._lock:
+            self._memory.clear()
+            self.hits = self.misses = self.disk_hits = 0
+
+    def get(self, key):
+        kernel = self._memory.get(key)
+        if kernel is not None:
+            self.hits += 1
+        return kernel
+
+    def put(self, key, kernel) -> None:
+        self._memory[key] = kernel
+
+    def source(self, name: str, render, tags: dict | None = None) -> tuple[str, Path]:
+        """The source stored under `name` and its file, rendering (and writing) it, with `tags`
+        on its second line, where the file is missing or fails its hash."""
+        with self._lock:
+            home = cache_dir()
+            start = time.perf_counter()
+            text, path = self._stored(home, name)
+            if text is not None:
+                self.disk_hits += 1
+                _log.info("read %s from %s", name, path.parent)
+            else:
+                self.misses += 1
+                text = stamped(render(), tags)
+                path = self._store(home, name, text)
+                _log.info("rendered %s in %.0f ms into %s", name, (time.perf_counter() - start) * 1e3, path.parent)
+                if path.parent == home:
+                    self._cap(home, path)
+        if debug():
+            print(f"# maskc kernel {path}\n{text}")
+        return text, path
+
+    def _stored(self, home: Path, name: str) -> tuple[str | None, Path | None]:
+        """The intact file of `name` in `home` or in its spare, as (text, path); else (None, None)."""
+        for directory in (home, self._spares.get(home)):
+            text = _intact(directory / f"{name}.py") if directory is not None else None
+            if text is not None:
+                _touch(directory / f"{name}.py")
+                return text, directory / f"{name}.py"
+        return None, None
+
+    @contextlib.contextmanager
+    def loading(self, path: Path, text: str):
+        """Yields a file holding `text` for an import: `path` while it still does, else `text`
+        written again (since what Python imports is the file, not `text`). No `maskc cache`
+        deletion removes it until the block ends."""
+        with _locked(path.parent, fcntl.LOCK_SH):
+            with self._lock:
+                if _intact(path) != text:
+                    path = self._store(path.parent, path.stem, text)
+            _touch(path)
+            yield path
+
+    def _cap(self, home: Path, written: Path) -> None:
+        """Delete the least recently used kernels of `home` (not the one just `written`) until
+        the rest fit MASKC_CACHE_MAX_SIZE. Skipped while another process loads a kernel there:
+        the next write tries again."""
+        limit = cache_max_size()
+        if limit is None:
+            return
+        with _locked(home, fcntl.LOCK_EX | fcntl.LOCK_NB) as held:
+            if not held:
+                return
+            found = [e for e in entries(home) if e.path != written]
+            over = least_recently_used(found, limit - written.stat().st_size)
+            freed = _unlink(over)
+        if over:
+            _log.info("deleted %d least recently used kernel files (%d bytes) from %s to keep MASKC_CACHE_MAX_SIZE",
+                      len(over), freed, home)
+
+    def _store(self, home: Path, name: str, text: str) -> Path:
+        """Write `text` as `name` in `home`, or in its spare once `home` proved unwritable."""
+        spare = self._spares.get(home)
+        path = (spare or home) / f"{name}.py"
+        damaged = path.is_file() and _intact(path) is None  # there, but it failed its hash
+        try:
+            write_atomic(path, text)
+        except OSError as error:
+            if spare is not None:
+                raise
+            spare = self._spares[home] = Path(tempfile.mkdtemp(prefix="maskc-kernels-"))
+            atexit.register(shutil.rmtree, spare, ignore_errors=True)
+            warnings.warn(f"maskc cannot write kernels to its cache directory {home} ({type(error).__name__}: "
+                          f"{error}); this process keeps new kernels in the private temporary directory {spare}, "
+                          f"deleted at exit; set MASKC_CACHE_DIR to a writable directory to keep them")
+            return self._store(home, name, text)
+        if damaged:
+            warnings.warn(f"maskc kernel file {path} did not match the sha256 on its first line (edited, truncated "
+                          f"or corrupted); it was rendered again and replaced")
+        return path
+
+
+_STAMP = "# maskc sha256 "
+_TAGS = "# maskc provenance "
+
+
+def stamped(text: str, tags: dict | None = None) -> str:
+    """`text` under a line of `tags` (what made it) and a first line holding the sha256 of
+    both: what a cached kernel file holds."""
+    if tags:
+        text = f"{_TAGS}{json.dumps(tags, sort_keys=True)}\n{text}"
+    return f"{_STAMP}{hashlib.sha256(text.encode()).hexdigest()}\n{text}"
+
+
+def _intact(path: Path) -> str | None:
+    """The text of the file at `path` if it matches the sha256 on its first line; None where
+    it does not, or is missing or unreadable."""
+    try:
+        data = path.read_bytes()
+    except OSError:  # missing, or the cache directory is not a directory
+        return None
+    head, _, body = data.partition(b"\n")
+    if head.decode("latin-1") != _STAMP + hashlib.sha256(body).hexdigest():
+        return None
+    return data.decode()
+
+
+def _touch(path: Path) -> None:
+    """Record a use of `path` in its access time (its modification time stays the write's):
+    what least_recently_used() orders by, whatever the file system's atime policy."""
+    try:
+        os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
+    except OSError:  # a read-only cache, or another user's file: its uses go unrecorded
+        pass
+
+
+# -- the directory's contents, for `maskc cache` and MASKC_CACHE_MAX_SIZE ----------------------
+class Entry(NamedTuple):
+    """A kernel file: `written` and `used` are times (seconds since the epoch); `tags` what
+    made it ({} for files written before maskc recorded it)."""
+
+    path: Path
+    size: int
+    written: float
+    used: float
+    tags: dict
+
+
+def entries(home: Path) -> list[Entry]:
+    """The kernel files in `home` (those whose first line is maskc's stamp), oldest use first."""
+    found = []
+    for path in home.glob("*.py") if home.is_dir() else ():
+        try:
+            stat = path.stat()  # before reading: the read may set the access time, which is the last use
+            with _unused(path) as f:
+                head, tags = f.readline().decode("latin-1"), f.readline().decode("utf-8", "replace")
+        except OSError:  # deleted meanwhile
+            continue
+        if head.startswith(_STAMP):
+            found.append(Entry(path, stat.st_size, stat.st_mtime, stat.st_atime, _tags(tags)))
+    return sorted(found, key=lambda e: (e.used, e.written, e.path.name))
+
+
+def _unused(path: Path):
+    """`path` opened for reading without counting as a use where the system allows.
+    NOTE: relatime mounts update the access time on a read whenever it is older than the
+    last change of the file's metadata, which _touch() itself makes: every listing would then
+    mark every kernel used. O_NOATIME (Linux, for the file's owner) keeps it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOATIME", 0))
+    except PermissionError:  # O_NOATIME on another user's file
+        fd = os.open(path, os.O_RDONLY)
+    return os.fdopen(fd, "rb")
+
+
+def _tags(line: str) -> dict:
+    if not line.startswith(_TAGS):
+        return {}
+    try:
+        tags = json.loads(line[len(_TAGS):])
+    except ValueError:
+        return {}
+    return tags if isinstance(tags, dict) else {}
+
+
+def least_recently_used(found: list[Entry], limit: int) -> list[Entry]:
+    """The entries to delete, least recently used first, for the rest to fit in `limit` bytes."""
+    total = sum(e.size for e in found)
+    chosen = []
+    for e in sorted(found, key=lambda e: (e.used, e.written, e.path.name)):
+        if total <= limit:
+            break
+        chosen.append(e)
+        total -= e.size
+    return chosen
+
+
+# A write (write_atomic) takes milliseconds: a temporary file this old was left by a process
+# that died mid-write, and one younger may be another process's write in progress.
+TEMPORARY_AGE = 3600.0
+
+
+def leftovers(home: Path) -> list[Path]:
+    """Temporary files in `home` left by writes that never finished."""
+    now = time.time()
+    found = []
+    for path in home.glob("*.tmp") if home.is_dir() else ():
+        with contextlib.suppress(OSError):
+            if now - path.stat().st_mtime > TEMPORARY_AGE:
+                found.append(path)
+    return found
+
+
+def remove(home: Path, paths: list[Path], wait: float = 10.0) -> int:
+    """Delete `paths` from `home` once no process is loading a kernel there (waiting up to
+    `wait` seconds); the bytes freed. Raises TimeoutError when the wait runs out."""
+    deadline = time.monotonic() + wait
+    while True:
+        with _locked(home, fcntl.LOCK_EX | fcntl.LOCK_NB) as held:
+            if held:
+                return _unlink(paths)
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"another process kept loading kernels from {home} for {wait:g} s, so nothing was "
+                               f"deleted; try again once it is done")
+        time.sleep(0.05)
+
+
+def _unlink(items) -> int:
+    freed = 0
+    for item in items:
+        path = item.path if isinstance(item, Entry) else item
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:  # another process deleted it first
+            continue
+        freed += size
+    return freed
+
+
+@contextlib.contextmanager
+def _locked(directory: Path, mode: int):
+    """flock `mode` on `directory` for the block; yields whether it is held. A directory that
+    cannot be opened (missing, or a file) has nothing to protect, nor a file system without
+    flock (some network mounts): there the block runs unlocked.
+    NOTE: the directory itself is locked, not a lock file in it, so that the cache holds only
+    kernels and the files maskc documents."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, mode)
+            held = True
+        except BlockingIOError:
+            held = False
+        except OSError:
+            held = True
+        yield held
+    finally:
+        os.close(fd)  # which releases the lock
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+KERNELS = SourceCache()

@@ -1,0 +1,318 @@
+"""Decoding: few query rows against many keys, through the split-KV kernel
+(templates/attention_decode.py.jinja), over contiguous keys or a paged cache.
+
+Flash-Decoding: the query heads of one kv head are packed into one tile's rows, and the kv
+tiles those rows keep are shared among num_splits programs whose partial results a combine
+kernel merges by LSE. The kept tiles come from the call's one block map over logical
+positions; the kernel reads each tile's verdict there, so EMPTY tiles cost a byte and FULL
+ones run no mask code. How many splits: the block map's widest kept span and the GPU's
+multiprocessors decide (`splits`), once per problem, so a step does no host work that
+depends on data and can be captured in a CUDA graph.
+
+Positions: with kv_lens, keys at positions >= kv_lens[b] are ignored and the Lq queries are
+the last Lq tokens, at kv_lens[b] - Lq + i (FlashAttention's cache_seqlens); mask_mod and
+score_mod see those positions, and the block map is built over kv_cap × kv_cap of them.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from maskc._slots import Slots
+from maskc.analysis.blockmap import BlockMap
+from maskc.runtime import plan, tiles
+from maskc.runtime.dtypes import dot_precision, interpreter_safe, triton_accumulator
+from maskc.runtime.kernel import CompiledKernel, kernel_for
+from maskc.runtime.launch import LaunchPlan, no_pairs, outputs
+from maskc.runtime.tiles import TileConfig, padded
+
+# compiled_attention decodes where no gradient is wanted and Lq · (Hq / Hkv) is at most this:
+# the packed rows fit one 64-row tile, which the prefill kernel would give a single q row.
+MAX_ROWS = 64
+MAX_SPLITS = 64
+# Programs of the decoding kernel resident per multiprocessor: at D=128 with 64-key tiles and
+# three stages, K and V take 96 KiB of shared memory per program (an H100 has 227 KiB).
+PROGRAMS_PER_SM = 2
+# What a split costs beside its tiles, in tiles: its prologue, its partial result's write and
+# the combine's read of it.
+SPLIT_COST_TILES = 2
+_LOG2E = 1.4426950408889634
+
+DECODES = Slots(64)
+
+
+@dataclass(eq=False)
+class Decode:
+    """One decoding problem after validation: what the launches need besides the tensors."""
+
+    mask: object  # Traced or None
+    score: object  # Traced or None
+    scale: float
+    B: int
+    Hq: int
+    Hkv: int
+    Lq: int
+    kv_cap: int  # keys given: the contiguous length, or the cache's capacity per sequence
+    D: int
+    Dv: int
+    dtype: torch.dtype
+    config: TileConfig
+    block_map: BlockMap  # over logical positions: (kv_cap × kv_cap) with kv_lens, else (Lq × kv_cap)
+    kernel: CompiledKernel
+    captured: dict
+    tables: dict  # the map's STATES, SPAN_LO, SPAN_HI and strides for the kernel
+    splits: int
+    launches: dict = field(default_factory=dict)
+
+    @property
+    def interpret(self) -> bool:
+        return self.block_map.device.type != "cuda"
+
+    @property
+    def group(self) -> int:
+        return self.Hq // self.Hkv
+
+
+def wanted(q, k, differentiable: bool) -> bool:
+    """Whether compiled_attention takes the decoding kernel for these inputs (kv_lens aside)."""
+    return not differentiable and q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= MAX_ROWS
+
+
+def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: BlockMap | None = None) -> Decode:
+    """The Decode of a call with queries q and keys of shape kv_shape = (Hkv, kv_cap, D, Dv),
+    remembered by everything it depends on; `lens`: the call gives kv_lens."""
+    B, Hq, Lq, D = q.shape
+    Hkv, kv_cap, _, Dv = kv_shape
+    traces = plan.traces_of(mask_mod, score_mod)
+    plan.check_captured(traces, q.device, gradients=False)
+    map_q = kv_cap if lens else Lq
+    if block_map is not None:
+        try:
+            plan.check_block_map(block_map, mask_mod, traces[0], B, Hq, map_q, kv_cap, q.device)
+        except ValueError as error:
+            if not lens:
+                raise
+            raise ValueError(f"{error} (with kv_lens, queries sit at positions up to kv_len, so the map is built over "
+                             f"kv_len × kv_len: maskc.block_map(mask, {kv_cap}, {kv_cap}))") from None
+    key = (*map(id, traces), id(block_map), q.dtype, q.device, q.shape, kv_shape, scale, lens,
+           tuple(x._version for t in traces if t is not None for x in t.tensors), tiles.override_key())
+    found = DECODES.get(key)
+    if found is not None:
+        return found
+    config = tiles.decode_config(D, q.device.type, Lq * (Hq // Hkv))
+    tiles.check_block_size((config.block_m, config.block_n), "decoding kernel tile")
+    m, s = traces
+    if block_map is None:
+        block_map = plan.cached_block_map(mask_mod, m, map_q, kv_cap, (tiles.decode_map_block(q.device.type),
+                                          config.block_n), B, Hq, q.device)
+    block_map.kernel_rows(B, Hq)
+    tables, widest = _tables(block_map, config.block_n, Hq // Hkv)
+    rows = B * Hkv * -(-Lq * (Hq // Hkv) // config.block_m)
+    splits = tiles.decode_splits() or choose_splits(rows, -(-widest // config.block_n), q.device)
+    config = tiles.decode_config(D, q.device.type, Lq * (Hq // Hkv), split=splits > 1)
+    found = Decode(m, s, 1.0 / math.sqrt(D) if scale is None else float(scale), B, Hq, Hkv, Lq, kv_cap, D, Dv,
+                   q.dtype, config, block_map, kernel_for("dec", m, s, q.dtype, q.device), plan.captured_args(m, s, q.dtype)[0], tables,
+                   splits)
+    DECODES.put(key, found)
+    return found
+
+
+def choose_splits(rows: int, tiles_per_row: int, device: torch.device) -> int:
+    """How many programs share each row's kept kv tiles: the count with the least estimated
+    time, in waves of programs over the multiprocessors times the tiles each program runs.
+    `rows` programs (b × kv head × tiles of packed rows) each keep up to `tiles_per_row` tiles,
+    the block map's widest kept span: splitting that, not the full length, is what keeps a
+    sliding window's few tiles from going to one program each."""
+    if tiles_per_row <= 1:
+        return 1
+    slots = _multiprocessors(device) * PROGRAMS_PER_SM
+    best, chosen = math.inf, 1
+    for n in range(1, min(tiles_per_row, MAX_SPLITS) + 1):
+        waves = -(-rows * n // slots)
+        cost = waves * (-(-tiles_per_row // n) + (SPLIT_COST_TILES if n > 1 else 0))
+        if cost < best:
+            best, chosen = cost, n
+    return chosen
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: a small machine, so that tests see several splits
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tables(bm: BlockMap, block_n: int, group: int) -> tuple[dict, int]:
+    """The kernel's view of the map: its verdicts at kv tiles of block_n (or a multiple), each
+    row's kept span and whether EMPTY tiles lie inside it, and the widest span in keys."""
+    m_block = bm.block_size[0]
+    kv_map, _, kv_multiple = bm.for_tiles(m_block, block_n)
+    dense = kv_map.to_dense()  # [B', H', q tiles, kv tiles]
+    kept = dense != 0
+    n_kv = dense.shape[-1]
+    any_kept = kept.any(-1)
+    lo = torch.where(any_kept, kept.int().argmax(-1), n_kv).to(torch.int32)
+    hi = torch.where(any_kept, n_kv - kept.flip(-1).int().argmax(-1), 0).to(torch.int32)
+    holes = ((hi - lo).clamp(min=0) > kept.sum(-1)).to(torch.int8)
+    widest = int((hi - lo).clamp(min=0).max()) * kv_map.block_size[1] if lo.numel() else 0
+    B, H, n_q, _ = dense.shape
+    return dict(STATES=dense.contiguous(), SPAN_LO=lo.contiguous(), SPAN_HI=hi.contiguous(), HOLES=holes.contiguous(),
+                STATE_STRIDE_B=H * n_q if B > 1 else 0, STATE_STRIDE_H=n_q if H > 1 else 0,
+                map_q_tiles=n_q, map_kv_tiles=n_kv, MAP_BLOCK_M=m_block, KV_MULTIPLE=kv_multiple,
+                MAP_HEADS=group if H > 1 else 1), widest
+
+
+# -- entry points ----------------------------------------------------------------------------
+def contiguous(q, k, v, mask_mod, score_mod, scale, kv_lens=None, block_map: BlockMap | None = None):
+    """(out, lse) of decoding over k and v [B, Hkv, Lkv, D], checked (q, k and v already are):
+    compiled_attention's path for kv_lens and few query rows, eager or in its operator."""
+    lens = None if kv_lens is None else check_lens(kv_lens, q, k)
+    found = problem(q, (k.shape[1], k.shape[2], q.shape[3], v.shape[3]), mask_mod, score_mod, scale,
+                    lens=lens is not None, block_map=block_map)
+    return run(found, q, k, v, kv_lens=lens)
+
+
+def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_mod, score_mod, scale,
+          enable_gqa: bool):
+    """(out, lse) of decoding over a paged cache's tensors (PagedKVCache's fields), checked:
+    paged_attention's path, eager or in its operator."""
+    B = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+    if isinstance(q, torch.Tensor) and q.dtype != k_pages.dtype:
+        raise TypeError(f"q is {q.dtype} but the cache holds {k_pages.dtype}; cast q")
+    Hkv = k_pages.shape[2]
+    if isinstance(q, torch.Tensor) and q.dim() == 4:
+        if q.shape[3] != k_pages.shape[3]:
+            raise ValueError(f"q's head dim is {q.shape[3]} but the cache's head_dim is {k_pages.shape[3]}; q must "
+                             f"match the cache it reads")
+        if q.shape[1] != Hkv and not (enable_gqa and q.shape[1] % Hkv == 0):
+            fix = ("pass enable_gqa=True for grouped-query attention" if q.shape[1] % Hkv == 0 else
+                   "grouped-query attention needs a multiple of them")
+            raise ValueError(f"q has {q.shape[1]} heads and the cache {Hkv} kv heads; {fix}")
+    # empty stand-ins for k and v, so that q is checked against the cache as against keys
+    plan.check_tensors(q, k_pages.new_empty((B, Hkv, 0, k_pages.shape[3])),
+                       v_pages.new_empty((B, Hkv, 0, v_pages.shape[3])), enable_gqa)
+    if torch.is_grad_enabled() and q.requires_grad:
+        raise NotImplementedError("paged_attention runs without gradients; call it under torch.no_grad() or "
+                                  "detach q")
+    if q.device != k_pages.device:
+        raise ValueError(f"q is on {q.device} but the cache on {k_pages.device}; move q")
+    slots = check_slots(seq_ids, q)
+    _, Hq, Lq, D = q.shape
+    capacity = page_table.shape[1] * page_size
+    if Lq > capacity:
+        raise ValueError(f"q has {Lq} queries but a sequence of this cache holds at most {capacity} tokens; "
+                         f"make the cache's max_pages_per_seq larger")
+    if 0 in (B, Hq, Lq):
+        return no_pairs(q, v_pages)  # (reads v's last dim: the pages' Dv)
+    found = problem(q, (Hkv, capacity, D, v_pages.shape[3]), mask_mod, score_mod, scale, lens=True)
+    return run(found, q, k_pages, v_pages, kv_lens=lens, page_table=page_table, slots=slots, page_size=page_size)
+
+
+def check_lens(kv_lens, q, k) -> torch.Tensor:
+    """kv_lens as the kernel reads it (int32 [B] on q's device), after checking what can be
+    checked without reading it: reading would wait for the GPU, and a step must not."""
+    B, _, Lq, _ = q.shape
+    if not isinstance(kv_lens, torch.Tensor) or kv_lens.dtype.is_floating_point or kv_lens.dtype == torch.bool:
+        got = kv_lens.dtype if isinstance(kv_lens, torch.Tensor) else type(kv_lens).__name__
+        raise TypeError(f"kv_lens must be an integer tensor [B] of key counts, got {got}; build it with "
+                        f"torch.tensor(lengths, dtype=torch.int32, device=q.device)")
+    if tuple(kv_lens.shape) != (B,):
+        raise ValueError(f"kv_lens must have shape [B] = [{B}], got {tuple(kv_lens.shape)}")
+    if kv_lens.device != q.device:
+        raise ValueError(f"kv_lens lives on {kv_lens.device} but q is on {q.device}; move it to {q.device}")
+    if Lq > k.shape[2]:
+        raise ValueError(f"q has {Lq} queries but k only {k.shape[2]} keys; with kv_lens the queries are the last "
+                         f"Lq of the keys, so k must hold at least Lq")
+    return kv_lens if kv_lens.dtype == torch.int32 else kv_lens.to(torch.int32)
+
+
+def check_slots(seq_ids, q) -> torch.Tensor:
+    """seq_ids as the kernel reads it (int32 [B] on q's device)."""
+    if not isinstance(seq_ids, torch.Tensor) or seq_ids.dtype.is_floating_point or seq_ids.dtype == torch.bool:
+        got = seq_ids.dtype if isinstance(seq_ids, torch.Tensor) else type(seq_ids).__name__
+        raise TypeError(f"seq_ids must be an integer tensor [B] of cache slots, got {got}")
+    if tuple(seq_ids.shape) != (q.shape[0],):
+        raise ValueError(f"seq_ids must have shape [B] = [{q.shape[0]}] (one slot per sequence of q), got "
+                         f"{tuple(seq_ids.shape)}")
+    if seq_ids.device != q.device:
+        raise ValueError(f"q ({q.device}) and seq_ids ({seq_ids.device}) must share a device")
+    return seq_ids if seq_ids.dtype == torch.int32 else seq_ids.to(torch.int32)
+
+
+# -- launches --------------------------------------------------------------------------------
+# each tensor's stride parameters: q and out over (b, h, m, d), k and v over (b, h, n, d)
+_STRIDES = {name: tuple(f"stride_{name}{c}" for c in ("bhmd" if name in "qo" else "bhnd")) for name in "qkvo"}
+
+
+def run(problem: Decode, q, k, v, *, kv_lens=None, page_table=None, slots=None, page_size: int = 0):
+    """(out, lse) of a decoding problem. k and v are [B, Hkv, kv_cap, D] tensors, or with
+    page_table the cache's pages [pages, page_size, Hkv, D]."""
+    dtype = q.dtype
+    given = q
+    q, k, v = interpreter_safe(q, k, v)  # (a copy on the interpreter may have other strides)
+    out, lse = outputs(given, problem.Dv, q.dtype)
+    variant = (kv_lens is not None, page_table is not None, slots is not None, page_size)
+    launch = problem.launches.get(variant) or _plans(problem, *variant)
+    values = dict(Q=q, K=k, V=v, Out=out, Lse=lse, KvLens=kv_lens, PageTable=page_table, Slots=slots)
+    values.update(zip(_STRIDES["q"], q.stride()))
+    for name, t in (("k", k), ("v", v)):
+        # pages [pages, page_size, Hkv, D]: the kernel's (b, h, n, d) strides are (page, head, row, d)
+        strides = (t.stride(0), t.stride(2), t.stride(1), t.stride(3)) if page_table is not None else t.stride()
+        values.update(zip(_STRIDES[name], strides))
+    values.update(zip(_STRIDES["o"], out.stride()))
+    if page_table is not None:
+        values["stride_pt"], values["num_slots"] = page_table.stride(0), page_table.shape[0]
+    if problem.splits > 1:
+        rows = problem.Lq * problem.group
+        values["PartOut"] = torch.empty((problem.splits, problem.B * problem.Hkv, rows, padded(problem.Dv)),
+                                        dtype=lse.dtype, device=q.device)
+        values["PartLse"] = torch.empty((problem.splits, problem.B * problem.Hkv, rows), dtype=lse.dtype,
+                                        device=q.device)
+    decode, per_call, combine = launch
+    decode(*(values[name] for name in per_call))
+    if combine is not None:
+        combine(out, lse, values["PartOut"], values["PartLse"], *out.stride())
+    return (out if out.dtype == dtype else out.to(dtype)), lse
+
+
+def _plans(problem: Decode, lens: bool, paged: bool, slots: bool, page_size: int):
+    """The decoding launch (with its per-call parameter names) and the combine's, if any."""
+    config = problem.config
+    split = problem.splits > 1
+    per_call = ["Q", "K", "V", "Out", "Lse", *_STRIDES["q"], *_STRIDES["k"], *_STRIDES["v"], *_STRIDES["o"]]
+    fixed = dict(PartOut=None, PartLse=None, KvLens=None, PageTable=None, Slots=None, stride_pt=0, num_slots=0)
+    for name, wanted_here in (("PartOut", split), ("PartLse", split), ("KvLens", lens), ("PageTable", paged),
+                              ("stride_pt", paged), ("num_slots", paged), ("Slots", slots)):
+        if wanted_here:
+            per_call.append(name)
+            del fixed[name]
+    # without a score_mod the kernel's exponent is in base 2: log2(e) folds into the scale
+    scale = problem.scale if problem.score is not None else problem.scale * _LOG2E
+    acc = triton_accumulator(problem.dtype)
+    fixed.update(problem.tables, **problem.captured, num_kv_heads=problem.Hkv, q_len=problem.Lq,
+                 kv_cap=problem.kv_cap, qk_scale=scale, GROUP=problem.group, HEAD_DIM=problem.D,
+                 HEAD_DIM_V=problem.Dv, D_PAD=padded(problem.D), DV_PAD=padded(problem.Dv), BLOCK_M=config.block_m,
+                 BLOCK_N=config.block_n, num_splits=problem.splits, DIRECT=not split, HAS_LENS=lens, SLOTS=slots,
+                 PAGED=paged, PAGE_SIZE=max(page_size, 1), ACC=acc, DOT_PRECISION=dot_precision(problem.dtype),
+                 NUM_STAGES=config.num_stages)
+    n_tiles = -(-problem.Lq * problem.group // config.block_m)
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    decode = LaunchPlan(problem.kernel, "attention_decode", problem.interpret,
+                        (problem.splits, problem.B * problem.Hkv, n_tiles), fixed, tuple(per_call), options)
+    combine = None
+    if split:
+        combine = LaunchPlan(
+            problem.kernel, "attention_combine", problem.interpret, (problem.B * problem.Hkv, n_tiles),
+            dict(num_kv_heads=problem.Hkv, q_len=problem.Lq, GROUP=problem.group, HEAD_DIM_V=problem.Dv,
+                 DV_PAD=padded(problem.Dv), BLOCK_M=config.block_m, num_splits=problem.splits,
+                 SPLITS_PAD=max(2, 1 << (problem.splits - 1).bit_length()), ACC=acc),
+            ("Out", "Lse", "PartOut", "PartLse", *_STRIDES["o"]), dict(num_warps=4))
+    problem.launches[(lens, paged, slots, page_size)] = plan_ = (decode, tuple(per_call), combine)
+    return plan_
+
+
+__all__ = ["Decode", "MAX_ROWS", "check_lens", "check_slots", "choose_splits", "contiguous", "paged", "problem", "run",
+           "wanted"]

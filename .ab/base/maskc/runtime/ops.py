@@ -1,0 +1,282 @@
+"""compiled_attention under torch.compile: the forward and backward as PyTorch operators.
+
+Dynamo must not trace maskc's Python (sympy tracing, plans, block maps, launches), and
+`fullgraph=True` allows no graph break, so under Dynamo compiled_attention calls `attention()`
+here, which Dynamo traces: it reads the keys of the call's MaskMod and ScoreMod (strings each
+got when it was built; maskc finds the object by its key while it lives) and the BlockMap's
+handle (its serial number as a tensor: a graph input, so a new map of the same shape runs the
+same graph), and the graph records one operator,
+`maskc::attention(q, k, v, mask_key, score_key, map_handle, scale, enable_gqa) -> (out, lse, token)`.
+(An earlier version named the call through `torch.compiler.assume_constant_result`, which
+torch 2.11's Dynamo refuses for arguments that are not constants.)
+
+The operators are `torch.library.custom_op`s, opaque to the compiler: at run time their
+implementations do what the eager call does (the mods' traces, re-checked by their guards; the
+plan and block map, from the runtime's caches; the launches). So the mods' captured values, read
+when the operator runs, never enter the graph or its guards: a new document-id tensor or window
+value, and the new block map it makes, recompile nothing. (`triton_op` with `wrap_triton` would
+have the compiler trace the planning Python, baking those values into the graph, and cannot run
+Triton's interpreter for CPU tensors.)
+
+The backward operator runs with the forward's own plan, as the eager autograd Function does:
+the forward returns a token, a CPU int64 scalar naming its plan. Decoding (kv_lens) and
+paged_attention have operators of their own, `maskc::decode` and `maskc::paged_attention`,
+without gradients.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from maskc._slots import Slots
+from maskc.analysis.blockmap import BlockMap
+from maskc.runtime import decode as decoding
+from maskc.runtime import launch, plan
+from maskc.runtime.tiles import MAX_TILE
+from maskc.trace.mods import MaskMod, ScoreMod, mod_of_key
+
+_lock = threading.Lock()
+
+# Tokens: a serial number per plan, while the plan lives, so that a repeated call returns the
+# same token (torch.library.opcheck compares repeated runs); the plans of the most recent tokens
+# are held for their backward, which bounds the memory held whatever runs.
+_PENDING = 1024
+_NO_PAIRS = -1  # the token of a forward with no (q, kv) pair: its backward gives zeros
+_serials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_forwards = Slots(_PENDING)
+_counter = itertools.count()
+
+
+def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map):
+    """(out, lse) of compiled_attention through the maskc operators; what Dynamo traces.
+
+    The mods are named by their keys (strings, made when each was built), which Dynamo reads
+    as constants and guards: another mod compiles its own graph, while their values are read
+    by the operator when it runs. A BlockMap is named by its handle, a tensor input; a torch
+    BlockMask (from maskc.flex_attention) by its tile tensors, converted when the operator runs."""
+    handle, tiles, layout = None, [], [0, 0, 0, 0]
+    if isinstance(block_map, BlockMask):
+        mask_mod = block_map.mask_mod if mask_mod is None else mask_mod
+        tiles = [block_map.kv_num_blocks, block_map.kv_indices]
+        if block_map.full_kv_num_blocks is not None:
+            tiles += [block_map.full_kv_num_blocks, block_map.full_kv_indices]
+        layout = [*block_map.seq_lengths, *block_map.BLOCK_SIZE]
+        mask_key = _key(mask_mod, MaskMod, "the mask_mod of a BlockMask", "build it with maskc.create_block_mask, "
+                        "or wrap the function once: create_block_mask(maskc.mask_mod(fn), ...)")
+    else:
+        mask_mod = plan.mask_of_call(mask_mod, block_map)
+        handle = block_map.handle if block_map is not None else None
+        mask_key = _key(mask_mod, MaskMod, "mask_mod")
+    keys = (mask_key, _key(score_mod, ScoreMod, "score_mod"))
+    # here, where Dynamo traces the call, and not only where the graph records a backward:
+    # where q, k and v need no gradient no backward is recorded, and the captured tensor's
+    # gradient would be missing without a word
+    _refuse_traced_captured_gradients(mask_mod, score_mod)
+    out, lse, _ = torch.ops.maskc.attention(q, k, v, *keys, handle, None if scale is None else float(scale),
+                                            enable_gqa, tiles, layout)
+    return out, lse
+
+
+def _key(mod, kind, what: str, fix: str | None = None) -> str:
+    if mod is None:
+        return ""
+    if not isinstance(mod, kind):
+        fix = fix or (f"decorate the function with @maskc.{what}, or wrap it once outside the compiled code: "
+                      f"maskc.{what}(fn)")
+        raise TypeError(f"under torch.compile, {what} must be a maskc.{kind.__name__} ({fix}), got "
+                        f"{type(mod).__name__}")
+    return mod.key
+
+
+# -- forward ---------------------------------------------------------------------------------
+@torch.library.custom_op("maskc::attention", mutates_args=())
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, score_key: str,
+             map_handle: torch.Tensor | None, scale: float | None, enable_gqa: bool,
+             flex_tiles: list[torch.Tensor], flex_layout: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mask, score, block_map, k, v = _inputs(mask_key, score_key, map_handle, q, k, v)
+    if flex_tiles:
+        block_map = BlockMap.from_flex_tiles(*flex_tiles, *[None] * (4 - len(flex_tiles)),
+                                             seq_lengths=flex_layout[:2], block_size=flex_layout[2:], mask_mod=mask,
+                                             largest_tile=MAX_TILE)
+    B, Hq, Lq, _ = q.shape
+    if 0 in (B, Hq, Lq, k.shape[2]):
+        out, lse = launch.no_pairs(q, v)
+        return out, lse, torch.tensor(_NO_PAIRS)
+    if block_map is not None:
+        problem = plan.given(q, k, v, mask, score, scale, block_map)
+    else:
+        problem = plan.planned(q, k, v, mask, score, scale, launch.seconds)
+    out, lse = launch.forward(q, k, v, problem)
+    return out, lse, torch.tensor(_token(problem))
+
+
+@_forward.register_fake
+def _forward_fake(q, k, v, mask_key, score_key, map_handle, scale, enable_gqa, flex_tiles, flex_layout):
+    # runs at trace time: wrong inputs fail there, with the eager call's errors
+    plan.check_tensors(q, k, v, enable_gqa)
+    return *launch.outputs(q, v.shape[3]), torch.empty((), dtype=torch.int64)
+
+
+def _inputs(mask_key: str, score_key: str, map_handle, q, k, v):
+    """The mods and map an operator names, and k and v over q's batch (views where shared)."""
+    mask, score = _found(mask_key, mod_of_key), _found(score_key, mod_of_key)
+    block_map = None if map_handle is None else _found(map_handle, BlockMap.of_handle)
+    if k.shape[0] != q.shape[0]:
+        k, v = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
+    return mask, score, block_map, k, v
+
+
+def _refuse_captured_gradients(*mods) -> None:
+    """The operators' autograd has no inputs for the mods' captured tensors, so a gradient they
+    need would be silently missing: refuse a mod whose captured tensor requires grad."""
+    for mod in mods:
+        if mod is not None and any(t.requires_grad for t in mod.traced.tensors):
+            raise _captured_gradient_error(mod)
+
+
+def _refuse_traced_captured_gradients(*mods) -> None:
+    """_refuse_captured_gradients for code Dynamo traces: it reads what the mods' latest traces
+    recorded (re-checking their guards would run maskc's tracer under Dynamo)."""
+    if torch.is_grad_enabled():
+        for mod in mods:
+            if mod is not None and mod.captured_requires_grad:
+                raise _captured_gradient_error(mod)
+
+
+def _captured_gradient_error(mod) -> NotImplementedError:
+    return NotImplementedError(f"{mod.kind} '{mod.__name__}' captures a tensor that requires grad; under "
+                               f"torch.compile maskc does not compute gradients of captured tensors yet (eager "
+                               f"calls do): detach it inside the compiled code, or call maskc eagerly")
+
+
+def _token(problem) -> int:
+    with _lock:
+        token = _serials.get(problem)
+        if token is None:
+            token = _serials[problem] = next(_counter)
+    _forwards.put(token, problem)
+    return token
+
+
+def _found(key, find):
+    if isinstance(key, str) and not key:
+        return None
+    found = find(key)
+    if found is None:
+        key = f"block map #{int(key)}" if isinstance(key, torch.Tensor) else f"'{key}'"
+        raise RuntimeError(f"maskc::attention names {key}, which no longer lives in this process (or never did): "
+                           f"the operator is recorded by compiled_attention under torch.compile for mods and maps "
+                           f"that the compiled code keeps alive, not called directly")
+    return found
+
+
+# -- decoding --------------------------------------------------------------------------------
+def decode(q, k, v, kv_lens, mask_mod, score_mod, scale, enable_gqa: bool, block_map):
+    """(out, lse) of compiled_attention with kv_lens through `maskc::decode`, as `attention`."""
+    mask_mod = plan.mask_of_call(mask_mod, block_map)
+    keys = (_key(mask_mod, MaskMod, "mask_mod"), _key(score_mod, ScoreMod, "score_mod"),
+            block_map.handle if block_map is not None else None)
+    _refuse_traced_captured_gradients(mask_mod, score_mod)  # decoding has no gradients at all
+    return torch.ops.maskc.decode(q, k, v, kv_lens, *keys, None if scale is None else float(scale), enable_gqa)
+
+
+def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_mod, score_mod, scale,
+          enable_gqa: bool):
+    """(out, lse) of paged_attention through `maskc::paged_attention`: the cache's tensors are
+    the operator's inputs, so a step reads the cache's state when it runs."""
+    keys = (_key(mask_mod, MaskMod, "mask_mod"), _key(score_mod, ScoreMod, "score_mod"))
+    return torch.ops.maskc.paged_attention(q, k_pages, v_pages, page_table, lens, seq_ids, page_size, *keys,
+                                           None if scale is None else float(scale), enable_gqa)
+
+
+@torch.library.custom_op("maskc::decode", mutates_args=())
+def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, mask_key: str, score_key: str,
+            map_handle: torch.Tensor | None, scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    mask, score, block_map, k, v = _inputs(mask_key, score_key, map_handle, q, k, v)
+    B, Hq, Lq, _ = q.shape
+    if 0 in (B, Hq, Lq, k.shape[2]):
+        return launch.no_pairs(q, v)
+    return decoding.contiguous(q, k, v, mask, score, scale, kv_lens, block_map)
+
+
+@_decode.register_fake
+def _decode_fake(q, k, v, kv_lens, mask_key, score_key, map_handle, scale, enable_gqa):
+    plan.check_tensors(q, k, v, enable_gqa)
+    decoding.check_lens(kv_lens, q, k)
+    return launch.outputs(q, v.shape[3])
+
+
+@torch.library.custom_op("maskc::paged_attention", mutates_args=())
+def _paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+           lens: torch.Tensor, seq_ids: torch.Tensor, page_size: int, mask_key: str, score_key: str,
+           scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    mask, score = _found(mask_key, mod_of_key), _found(score_key, mod_of_key)
+    return decoding.paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size, mask, score, scale, enable_gqa)
+
+
+@_paged.register_fake
+def _paged_fake(q, k_pages, v_pages, page_table, lens, seq_ids, page_size, mask_key, score_key, scale, enable_gqa):
+    decoding.check_slots(seq_ids, q)
+    return launch.outputs(q, v_pages.shape[3])
+
+
+# -- backward --------------------------------------------------------------------------------
+@torch.library.custom_op("maskc::attention_backward", mutates_args=())
+def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+              token: torch.Tensor, d_out: torch.Tensor | None,
+              d_lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    token = int(token)
+    if token == _NO_PAIRS:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    problem = _forwards.get(token)
+    if problem is None:
+        raise RuntimeError(f"maskc's backward under torch.compile lost its forward's plan: forwards of more than "
+                           f"{_PENDING} other plans ran since; run the backward sooner after its forward")
+    B = q.shape[0]
+    shared = k.shape[0] != B
+    batched = (k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)) if shared else (k, v)
+    dq, dk, dv = launch.backward(q, *batched, out, lse, d_out, d_lse, problem)
+    if shared:  # k and v served every batch of q: their gradients sum over it
+        dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
+    return _like(dq, q), _like(dk, k), _like(dv, v)
+
+
+def _like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`grad` in the layout `_backward_fake` promises, torch.empty_like(t)'s: a compiled graph
+    asserts it. The kernels' gradients are contiguous where their inputs are views (a model's
+    [B, L, H, D] transposed; dQ summed in float32 by the Gluon kernel, dK and dV summed over a
+    shared batch): Inductor's graph failed on a 1B Llama's step with a stride mismatch."""
+    if grad.is_contiguous() and t.is_contiguous():
+        return grad
+    like = torch.empty_like(t)
+    return grad if like.stride() == grad.stride() else like.copy_(grad)
+
+
+@_backward.register_fake
+def _backward_fake(q, k, v, out, lse, token, d_out, d_lse):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    # again where the graph records the backward: a mod may have been rebound since tracing
+    _refuse_captured_gradients(*(mod_of_key(key) for key in inputs[3:5] if key))  # mask_key, score_key
+    q, k, v = inputs[:3]
+    ctx.n_tiles = len(inputs[8])  # flex_tiles' gradient is a list of as many Nones
+    out, lse, token = output
+    ctx.save_for_backward(q, k, v, out, lse, token)
+
+
+def _grad(ctx, d_out, d_lse, _):
+    q, k, v, out, lse, token = ctx.saved_tensors
+    dq, dk, dv = torch.ops.maskc.attention_backward(q, k, v, out, lse, token, d_out, d_lse)
+    return dq, dk, dv, None, None, None, None, None, [None] * ctx.n_tiles, None
+
+
+_forward.register_autograd(_grad, setup_context=_setup_context)
+
+
+__all__ = ["attention", "decode", "paged"]

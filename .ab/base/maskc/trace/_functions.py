@@ -1,0 +1,422 @@
+"""The torch functions and tensor methods maskc traces, registered with proxy.register and
+looked up there by the function object.
+
+A name is not enough: a user's own function named `exp` that dispatches through
+__torch_function__ must not trace as torch.exp. Each entry is keyed by every object the
+operation arrives as: torch.X, torch.special.X, torch.nn.functional.X, Tensor.X (a method on
+a traced value, or on a captured tensor given a traced argument), and the Tensor operators
+(`bias * score` arrives as Tensor.mul(bias, score)). Indexing a captured tensor is one of
+them (proxy.index_tensor).
+
+Also here, what a trace does at each new value, among it checking torch.autograd.Function:
+its forward traces like any code, but maskc differentiates the traced expression, so a custom
+backward that is not the derivative of the forward would silently change the gradients.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import sympy
+import torch
+import torch.nn.functional as F
+from sympy.core.cache import clear_cache
+
+from maskc.trace import _context
+from maskc.trace import proxy as P
+from maskc.trace.canonical import conjunction, disjunction, negation, parity, piecewise
+from maskc.trace.symbols import SCORE, BFloat16, Float16, Trunc
+
+
+# -- operations that only torch functions perform ----------------------------------------------
+def fmod(a, b):
+    """torch.fmod: the remainder with the sign of the dividend, as C computes it."""
+    return a - (P.trunc(a / b) if P.float32_exact(b) else Trunc(a / b)) * b
+
+
+def extreme(a, b, fn) -> P.Proxy:
+    """torch.maximum (fn=Max) or minimum (Min); of two booleans it is | or &."""
+    pa, pb = P.wrap(a), P.wrap(b)
+    if pa.is_bool and pb.is_bool:
+        return P.Proxy((disjunction if fn is sympy.Max else conjunction)(pa.expr, pb.expr))
+    return P.Proxy(fn(P.number(pa), P.number(pb)))
+
+
+def clamp(x, min=None, max=None) -> P.Proxy:
+    e = P.number(P.wrap(x))
+    if min is not None:
+        e = sympy.Max(e, P.number(P.wrap(min)))
+    if max is not None:
+        e = sympy.Min(e, P.number(P.wrap(max)))
+    return P.Proxy(e)
+
+
+def where(cond, a, b) -> P.Proxy:
+    c = P.wrap(cond)
+    if not c.is_bool:
+        _context.fail(f"passes the non-boolean condition {c.expr} to torch.where",
+                      "compare it first, like torch.where(x != 0, a, b)")
+    pa, pb = P.wrap(a), P.wrap(b)
+    if pa.is_bool and pb.is_bool:
+        return P.Proxy(_choose(c.expr, pa.expr, pb.expr))
+    return P.Proxy(piecewise((P.number(pa), c.expr), (P.number(pb), sympy.true)))
+
+
+def _choose(c, a, b):
+    """torch.where of booleans, with c written once where the choice allows: a nest of
+    where(c, m, ~m) stays linear in size."""
+    if a == b:
+        return a
+    if b == negation(a):
+        return negation(parity(c, a))
+    if a == negation(b):
+        return parity(c, b)
+    if a is sympy.true or b is sympy.false:
+        return conjunction(c, a) if b is sympy.false else disjunction(c, b)
+    if a is sympy.false or b is sympy.true:
+        return conjunction(negation(c), b) if a is sympy.false else disjunction(negation(c), a)
+    return disjunction(conjunction(c, a), conjunction(negation(c), b))
+
+
+def cast(x, dtype) -> P.Proxy:
+    """`x.to(dtype)`: a float converted to an integer dtype is truncated; to bool, nonzero."""
+    p = P.wrap(x)
+    if dtype is None:
+        return p
+    if dtype == torch.bool:
+        return P.Proxy(P.boolean(p))
+    if dtype.is_complex:
+        _context.fail(f"converts a traced value to {dtype}", "use a real dtype")
+    if dtype in _ROUNDED:
+        return P.Proxy(_ROUNDED[dtype](P.number(p)))
+    if dtype.is_floating_point or p.is_bool:
+        return P.Proxy(P.number(p))
+    return P.Proxy(P.trunc(p.expr))
+
+
+# a float16 or bfloat16 value is its float32 (or float64) one rounded: mods compute in float32,
+# and torch's x.to(torch.bfloat16).to(torch.float32) rounds there too
+_ROUNDED = {torch.float16: Float16, torch.bfloat16: BFloat16}
+
+
+# -- the table ----------------------------------------------------------------------------------
+T = torch.Tensor
+
+
+def _special(*names):
+    """torch.special's spellings that this torch has."""
+    return [getattr(torch.special, n) for n in names if hasattr(torch.special, n)]
+
+
+def _unary(fn):
+    return lambda x: P.unary(x, fn)
+
+
+def _div(a, b, *, rounding_mode=None):
+    ops = {None: lambda x, y: x / y, "floor": P.floordiv, "trunc": lambda x, y: P.trunc(x / y)}
+    if rounding_mode not in ops:
+        raise TypeError(f"rounding_mode={rounding_mode!r}")
+    return P.arith(a, b, ops[rounding_mode])
+
+
+def _scaled(b, alpha):
+    return b if alpha == 1 else P.mul(b, alpha)
+
+
+def _extreme_or_reduction(fn, elementwise: str):
+    # torch.max(a, b) is elementwise only when b is a tensor; torch.max(a) and torch.max(a, dim) reduce
+    def extreme_or_reduction(a, b=None, *rest, **kwargs):
+        if isinstance(b, (P.Proxy, torch.Tensor)) and not rest and not kwargs:
+            return extreme(a, b, fn)
+        _context.fail("reduces a traced value with torch.max or torch.min", f"use torch.{elementwise}(a, b)")
+
+    return extreme_or_reduction
+
+
+def _sigmoid(e):
+    return 1 / (1 + sympy.exp(-e))
+
+
+def _gelu(x, approximate="none"):
+    e = P.number(P.wrap(x))
+    if approximate == "tanh":
+        inner = sympy.Float(math.sqrt(2 / math.pi)) * (e + sympy.Float(0.044715) * e**3)
+        return P.Proxy(e / 2 * (1 + sympy.tanh(inner)))
+    if approximate != "none":
+        raise TypeError(f"approximate={approximate!r}")
+    return P.Proxy(e / 2 * (1 + sympy.erf(e * sympy.Float(math.sqrt(0.5)))))
+
+
+def _softplus(x, beta=1.0, threshold=20.0):
+    e = P.number(P.wrap(x))
+    # above the threshold torch returns x itself, as log(1 + exp(beta x)) / beta would overflow
+    return P.Proxy(piecewise((e, e * beta > threshold), (sympy.log(1 + sympy.exp(e * beta)) / beta, sympy.true)))
+
+
+def _elu(x, alpha=1.0, inplace=False):
+    e = P.number(P.wrap(x))
+    return P.Proxy(piecewise((e, e > 0), (alpha * (sympy.exp(e) - 1), sympy.true)))
+
+
+# torch's F.selu constants (scale · elu(x, alpha))
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+def _selu(x, inplace=False):
+    return P.mul(_elu(x, _SELU_ALPHA), _SELU_SCALE)
+
+
+def _leaky_relu(x, negative_slope=0.01, inplace=False):
+    e = P.number(P.wrap(x))
+    return P.Proxy(sympy.Max(e, 0) + negative_slope * sympy.Min(e, 0))
+
+
+def _to(self, *args, dtype=None, **_options):
+    # device, non_blocking, copy and memory_format change where the value lives, not what it is
+    for a in args:
+        if isinstance(a, torch.dtype):
+            dtype = a
+        elif isinstance(a, (torch.Tensor, P.Proxy)):
+            dtype = a.dtype
+    return cast(self, dtype)
+
+
+def _scalar(size: tuple):
+    shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
+    if shape:
+        _context.fail(f"creates a tensor of shape {shape} from a traced value",
+                      "a mod computes one value per (b, h, q_idx, kv_idx): make it a scalar, like x.new_ones(())")
+
+
+def _new_full(self, size, fill_value, *, dtype=None, **_options):
+    _scalar((size,))
+    return cast(fill_value, dtype or self.dtype)
+
+
+def _new_constant(fill_value):
+    def new(self, *size, dtype=None, **_options):
+        _scalar(size)
+        return cast(fill_value, dtype or self.dtype)
+
+    return new
+
+
+def _new_tensor(self, data, *, dtype=None, **_options):
+    if isinstance(data, (list, tuple)):
+        _scalar((data,))
+    return cast(data, dtype or self.dtype)
+
+
+def _like(fill_value=None):
+    def like(input, *args, dtype=None, **_options):
+        value = args[0] if fill_value is None else fill_value
+        return cast(value, dtype or input.dtype)
+
+    return like
+
+
+def _item(self):
+    _context.fail("calls .item() on a traced value",
+                  "keep it a tensor: comparisons, torch.where and arithmetic take traced values directly")
+
+
+def _cast_to(dtype):
+    return lambda self, *_options, **_kw: cast(self, dtype)
+
+
+def _operator(name):
+    # a Tensor operator with a traced operand: what the Proxy's own operator does
+    return lambda a, *rest: getattr(P.wrap(a), name)(*rest)
+
+
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift"):
+    for _dunder in (f"__{_name}__", f"__r{_name}__"):
+        if hasattr(T, _dunder):
+            P.register(_operator(_dunder), getattr(T, _dunder))
+for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
+    P.register(_operator(f"__{_name}__"), getattr(T, f"__{_name}__"))
+P.register(lambda tensor, index: P.index_tensor(tensor, index if isinstance(index, tuple) else (index,)), T.__getitem__)
+
+# arithmetic
+P.register(lambda a, b, *, alpha=1: P.add(a, _scaled(b, alpha)), torch.add, T.add)
+P.register(lambda a, b, *, alpha=1: P.sub(a, _scaled(b, alpha)), torch.sub, torch.subtract, T.sub, T.subtract)
+P.register(P.mul, torch.mul, torch.multiply, T.mul, T.multiply)
+P.register(_div, torch.div, torch.divide, T.div, T.divide)
+P.register(lambda a, b: P.arith(a, b, lambda x, y: x / y), torch.true_divide, T.true_divide)
+P.register(lambda a, b: P.arith(a, b, P.floordiv), torch.floor_divide, T.floor_divide)
+P.register(lambda a, b: P.arith(a, b, P.mod), torch.remainder, T.remainder)
+P.register(lambda a, b: P.arith(a, b, fmod), torch.fmod, T.fmod)
+P.register(lambda a, b: P.arith(a, b, lambda x, y: x**y), torch.pow, T.pow, torch.float_power, T.float_power)
+P.register(lambda x: -P.wrap(x), torch.neg, torch.negative, T.neg, T.negative)
+P.register(lambda x: abs(P.wrap(x)), torch.abs, torch.absolute, T.abs, T.absolute)
+P.register(_unary(lambda e: e**2), torch.square, T.square)
+P.register(_unary(lambda e: 1 / e), torch.reciprocal, T.reciprocal)
+P.register(lambda x: P.wrap(x) if P.wrap(x).is_bool else P.unary(x, sympy.sign), torch.sign, torch.sgn, T.sign, T.sgn)
+P.register(lambda a, b: extreme(a, b, sympy.Max), torch.maximum, T.maximum)
+P.register(lambda a, b: extreme(a, b, sympy.Min), torch.minimum, T.minimum)
+P.register(_extreme_or_reduction(sympy.Max, "maximum"), torch.max, T.max)
+P.register(_extreme_or_reduction(sympy.Min, "minimum"), torch.min, T.min)
+P.register(clamp, torch.clamp, torch.clip, T.clamp, T.clip)
+P.register(lambda x, min: clamp(x, min=min), torch.clamp_min, T.clamp_min)
+P.register(lambda x, max: clamp(x, max=max), torch.clamp_max, T.clamp_max)
+
+# rounding
+P.register(_unary(P.floor), torch.floor, T.floor)
+P.register(_unary(P.ceiling), torch.ceil, T.ceil)
+P.register(_unary(P.trunc), torch.trunc, torch.fix, T.trunc, T.fix)
+P.register(_unary(lambda e: e - P.trunc(e)), torch.frac, T.frac)
+P.register(lambda x, *, decimals=0: P.round_half_even(x, decimals), torch.round, T.round, *_special("round"))
+
+# elementwise functions
+P.register(_unary(sympy.exp), torch.exp, T.exp)
+P.register(_unary(lambda e: 2**e), torch.exp2, T.exp2, *_special("exp2"))
+P.register(_unary(lambda e: sympy.exp(e) - 1), torch.expm1, T.expm1, *_special("expm1"))
+P.register(_unary(sympy.log), torch.log, T.log)
+P.register(_unary(lambda e: sympy.log(e, 2)), torch.log2, T.log2)
+P.register(_unary(lambda e: sympy.log(e, 10)), torch.log10, T.log10)
+P.register(_unary(lambda e: sympy.log(1 + e)), torch.log1p, T.log1p, *_special("log1p"))
+P.register(_unary(sympy.sqrt), torch.sqrt, T.sqrt)
+P.register(_unary(lambda e: 1 / sympy.sqrt(e)), torch.rsqrt, T.rsqrt)
+P.register(_unary(sympy.sin), torch.sin, T.sin)
+P.register(_unary(sympy.cos), torch.cos, T.cos)
+# tan as written out: Triton has no tan, and sin/cos already print, analyse and differentiate
+P.register(_unary(lambda e: sympy.sin(e) / sympy.cos(e)), torch.tan, T.tan)
+P.register(_unary(sympy.tanh), torch.tanh, T.tanh)
+P.register(_unary(sympy.atan), torch.atan, torch.arctan, T.atan, T.arctan)
+P.register(_unary(sympy.erf), torch.erf, T.erf, *_special("erf"))
+# 1 - erf: absolute error within float32's, which is what a score's sum sees (the relative error
+# of a tiny erfc(5) = 1.5e-12 is lost)
+P.register(_unary(lambda e: 1 - sympy.erf(e)), torch.erfc, T.erfc, *_special("erfc"))
+P.register(_unary(_sigmoid), torch.sigmoid, T.sigmoid, *_special("expit"))
+P.register(lambda x, inplace=False: P.unary(x, lambda e: sympy.Max(e, 0)), F.relu, torch.relu, T.relu)
+P.register(lambda x, inplace=False: P.unary(x, lambda e: e * _sigmoid(e)), F.silu)
+P.register(_gelu, F.gelu)
+P.register(_softplus, F.softplus)
+P.register(_leaky_relu, F.leaky_relu)
+P.register(_elu, F.elu)
+P.register(_selu, F.selu, torch.selu)
+P.register(lambda x, min_val=-1.0, max_val=1.0, inplace=False: clamp(x, min_val, max_val), F.hardtanh)
+P.register(lambda x, inplace=False: clamp(x, 0, 6), F.relu6)
+
+# comparisons and logic
+P.register(lambda a, b: P.compare(a, b, sympy.Eq), torch.eq, T.eq)
+P.register(lambda a, b: P.compare(a, b, sympy.Ne), torch.ne, torch.not_equal, T.ne, T.not_equal)
+P.register(lambda a, b: P.compare(a, b, sympy.Lt), torch.lt, torch.less, T.lt, T.less)
+P.register(lambda a, b: P.compare(a, b, sympy.Le), torch.le, torch.less_equal, T.le, T.less_equal)
+P.register(lambda a, b: P.compare(a, b, sympy.Gt), torch.gt, torch.greater, T.gt, T.greater)
+P.register(lambda a, b: P.compare(a, b, sympy.Ge), torch.ge, torch.greater_equal, T.ge, T.greater_equal)
+P.register(lambda a, b: P.Proxy(conjunction(P.boolean(P.wrap(a)), P.boolean(P.wrap(b)))),
+          torch.logical_and, T.logical_and)
+P.register(lambda a, b: P.Proxy(disjunction(P.boolean(P.wrap(a)), P.boolean(P.wrap(b)))),
+          torch.logical_or, T.logical_or)
+P.register(lambda a, b: P.Proxy(parity(P.boolean(P.wrap(a)), P.boolean(P.wrap(b)))), torch.logical_xor, T.logical_xor)
+P.register(lambda a: P.Proxy(negation(P.boolean(P.wrap(a)))), torch.logical_not, T.logical_not)
+P.register(lambda a, b: P.bitwise(a, b, "&"), torch.bitwise_and, T.bitwise_and)
+P.register(lambda a, b: P.bitwise(a, b, "|"), torch.bitwise_or, T.bitwise_or)
+P.register(lambda a, b: P.bitwise(a, b, "^"), torch.bitwise_xor, T.bitwise_xor)
+P.register(lambda a: ~P.wrap(a), torch.bitwise_not, T.bitwise_not)
+P.register(lambda a, b: P.shift(a, b, "<<"), torch.bitwise_left_shift, T.bitwise_left_shift)
+P.register(lambda a, b: P.shift(a, b, ">>"), torch.bitwise_right_shift, T.bitwise_right_shift)
+P.register(where, torch.where)
+P.register(lambda self, condition, other: where(condition, self, other), T.where)
+
+# dtypes and new values
+P.register(_to, T.to)
+P.register(lambda self, other: cast(self, other.dtype), T.type_as)
+for _method, _dtype in (("float", torch.float32), ("double", torch.float64), ("half", torch.float16),
+                        ("bfloat16", torch.bfloat16), ("long", torch.int64), ("int", torch.int32),
+                        ("short", torch.int16), ("bool", torch.bool)):
+    P.register(_cast_to(_dtype), getattr(T, _method))
+P.register(lambda self, **_options: P.Proxy(P.wrap(self).expr), T.clone, T.contiguous)
+P.register(_new_constant(1), T.new_ones)
+P.register(_new_constant(0), T.new_zeros)
+P.register(_new_full, T.new_full)
+P.register(_new_tensor, T.new_tensor)
+P.register(_like(), torch.full_like)
+P.register(_like(1), torch.ones_like)
+P.register(_like(0), torch.zeros_like)
+P.register(_item, T.item)
+
+
+# -- per trace ----------------------------------------------------------------------------------
+_APPLY_CODE = torch.autograd.Function.apply.__func__.__code__
+# [trace state, Function.apply frames already checked in it]; traces run one at a time (the tracer's lock)
+_trace: list = [None, []]
+
+
+@P.on_each_new_value
+def on_new_value() -> None:
+    """Bookkeeping for each new proxy of a trace in progress.
+
+    At a trace's first value, empty sympy's constructor cache (and ours): it holds expressions
+    of earlier traces, and a lookup that meets one equal to its argument compares the two
+    graphs node by node, which for nested torch.where is the whole exponential tree.
+
+    Then check every torch.autograd.Function whose forward is running: it is called from C++,
+    so creating values is the first we see of it.
+    """
+    state = _context.current()
+    if state is None:
+        return
+    if _trace[0] is not state:
+        _trace[:] = [state, []]
+        clear_cache()
+        P.integral.cache_clear()
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _APPLY_CODE and not any(f is frame for f in _trace[1]):
+            _trace[1].append(frame)
+            local = frame.f_locals
+            _check_backward(local["cls"], local["args"], local.get("kwargs") or {})
+        frame = frame.f_back
+
+
+class _FunctionCtx:
+    """The ctx a Function's forward and backward receive, while maskc checks its backward."""
+
+    def __init__(self, needs_input_grad: tuple):
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors = ()
+
+    def save_for_backward(self, *values):
+        self.saved_tensors = values
+
+    def mark_non_differentiable(self, *values):
+        pass
+
+    def set_materialize_grads(self, value):
+        pass
+
+
+def _check_backward(cls, args: tuple, kwargs: dict) -> None:
+    """Refuse `cls` if its backward, traced, is not grad * d(forward)/d(input) for each input
+    that carries the score (no gradient reaches the others)."""
+    base = torch.autograd.Function
+    backward = cls.vjp if cls.vjp is not base.vjp else cls.backward
+    if backward is base.backward:
+        return  # no backward of its own: torch too would have only the forward to go by
+    inputs = {i: sympy.Dummy(f"input{i}", real=True) for i, a in enumerate(args)
+              if isinstance(a, P.Proxy) and SCORE in a.expr.free_symbols}
+    if not inputs:
+        return
+    traced_args = tuple(P.Proxy(inputs[i]) if i in inputs else a for i, a in enumerate(args))
+    ctx = _FunctionCtx(tuple(i in inputs for i in range(len(args))))
+    if cls.setup_context is not base.setup_context:
+        out = cls.forward(*traced_args, **kwargs)
+        cls.setup_context(ctx, traced_args, out)
+    else:
+        out = cls.forward(ctx, *traced_args, **kwargs)
+    out = P.number(P.wrap(out))
+    grad = sympy.Dummy("grad", real=True)
+    grads = backward(ctx, P.Proxy(grad))
+    grads = grads if isinstance(grads, tuple) else (grads,)
+    for i, symbol in inputs.items():
+        given = grads[i] if i < len(grads) else None
+        got = sympy.Integer(0) if given is None else P.number(P.wrap(given))
+        want = grad * sympy.diff(out, symbol)
+        if sympy.simplify(got - want) != 0:
+            _context.fail(f"uses torch.autograd.Function '{cls.__name__}' whose backward is not the derivative of "
+                          f"its forward (backward gives {got}, the derivative is {want}); maskc differentiates the "
+                          f"traced forward, so its gradients would differ from torch's",
+                          "drop the Function and write its forward in the mod, or make backward return the true "
+                          "derivative")

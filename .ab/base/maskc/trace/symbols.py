@@ -1,0 +1,139 @@
+"""The sympy vocabulary of traced expressions: index symbols, parameters and tensor loads."""
+import sympy
+
+# Index arguments are nonnegative integers; declaring it lets sympy fold `q_idx >= 0` to True.
+B = sympy.Symbol("b", integer=True, nonnegative=True)
+H = sympy.Symbol("h", integer=True, nonnegative=True)
+Q_IDX = sympy.Symbol("q_idx", integer=True, nonnegative=True)
+KV_IDX = sympy.Symbol("kv_idx", integer=True, nonnegative=True)
+SCORE = sympy.Symbol("score", real=True)
+INDEX_SYMBOLS = (B, H, Q_IDX, KV_IDX)
+
+
+def param_symbol(position: int, is_int: bool) -> sympy.Symbol:
+    """The symbol of the runtime scalar parameter at `position` (p0, p1, ...)."""
+    if is_int:
+        return sympy.Symbol(f"p{position}", integer=True)
+    return sympy.Symbol(f"p{position}", real=True)
+
+
+def is_param(sym) -> bool:
+    return isinstance(sym, sympy.Symbol) and sym.name[:1] == "p" and sym.name[1:].isdigit()
+
+
+class _Load(sympy.Function):
+    # A load of a constant index (a 0-d captured tensor is LoadFloat(0)) has no free symbols,
+    # which sympy takes for a number it can evaluate and compare: Max(score, LoadFloat(0))
+    # would ask for its value. Its value is known only when the kernel runs.
+    is_number = False
+
+
+class LoadInt(_Load):
+    """`LoadInt(t, i0, i1, ...)`: element (i0, i1, ...) of captured integer tensor number t."""
+
+    def _eval_is_integer(self):
+        return True
+
+    def _eval_is_real(self):
+        return True
+
+
+class LoadFloat(_Load):
+    """`LoadFloat(t, i0, ...)`: element of captured floating-point tensor number t."""
+
+    def _eval_is_real(self):
+        return True
+
+
+class LoadBool(_Load):
+    """`LoadBool(t, i0, ...)`: element of captured boolean tensor number t, read as 0 or 1."""
+
+    def _eval_is_integer(self):
+        return True
+
+    def _eval_is_nonnegative(self):
+        return True
+
+
+LOADS = (LoadInt, LoadFloat, LoadBool)
+
+
+def is_load(expr) -> bool:
+    return isinstance(expr, LOADS)
+
+
+# -- integer operations sympy has no node for ------------------------------------------------
+# The tracer builds them, the printer prints them, and the interval and dense evaluators give
+# them ranges and values; each is an integer of its integer arguments, with torch's semantics.
+class _IntegerOp(sympy.Function):
+    def _eval_is_integer(self):
+        return True
+
+    def _eval_is_real(self):
+        return True
+
+
+class BitAnd(_IntegerOp):
+    """`a & b` of integers (torch.bitwise_and)."""
+
+    nargs = 2
+
+
+class BitOr(_IntegerOp):
+    """`a | b` of integers (torch.bitwise_or)."""
+
+    nargs = 2
+
+
+class BitXor(_IntegerOp):
+    """`a ^ b` of integers (torch.bitwise_xor)."""
+
+    nargs = 2
+
+
+class LeftShift(_IntegerOp):
+    """`a << b` of integers, b >= 0 (a literal shift is traced as a * 2**b instead)."""
+
+    nargs = 2
+
+
+class RightShift(_IntegerOp):
+    """`a >> b` of integers: floor(a / 2**b), b >= 0 (a literal shift is traced as floor instead)."""
+
+    nargs = 2
+
+
+class Trunc(_IntegerOp):
+    """A float converted to an integer dtype (`.long()`, `.to(torch.int32)`): rounds toward zero."""
+
+    nargs = 1
+
+
+INTEGER_OPS = (BitAnd, BitOr, BitXor, LeftShift, RightShift, Trunc)
+
+
+# -- float roundings sympy has no node for ------------------------------------------------------
+class _Rounded(sympy.Function):
+    """A float rounded to a narrower float dtype and read back: `x.to(torch.bfloat16)` in a mod,
+    where it meets float32 again. Nondecreasing; its derivative is 1, as torch's autograd passes
+    a cast's gradient through."""
+
+    nargs = 1
+    is_number = False  # of a constant too: sympy cannot evaluate it (Max would ask)
+
+    def _eval_is_real(self):
+        return self.args[0].is_real
+
+    def fdiff(self, argindex=1):
+        return sympy.Integer(1)
+
+
+class Float16(_Rounded):
+    """`x.half()`, `x.to(torch.float16)`: rounded to float16 (nearest, ties to even)."""
+
+
+class BFloat16(_Rounded):
+    """`x.bfloat16()`, `x.to(torch.bfloat16)`: rounded to bfloat16 (nearest, ties to even)."""
+
+
+ROUNDED = (Float16, BFloat16)

@@ -1,0 +1,1 @@
+"""Jinja templates of the generated kernels (installed as maskc._templates)."""
