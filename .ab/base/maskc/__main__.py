@@ -1,4 +1,0 @@
-"""`python -m maskc`: the `maskc` command (maskc/cli)."""
-from maskc.cli import main
-
-raise SystemExit(main())

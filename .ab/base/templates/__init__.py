@@ -1,1 +1,0 @@
-"""Jinja templates of the generated kernels (installed as maskc._templates)."""
