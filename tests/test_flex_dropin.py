@@ -228,6 +228,25 @@ def test_a_hand_made_block_mask_is_read_as_flexattentions_kernels_read_it():
     assert (out[:, :, 90:] == 0).all() and torch.isneginf(lse[:, :, 90:]).all()
 
 
+@pytest.mark.parametrize("q_len", [1, 20])
+def test_a_block_mask_made_for_more_queries_serves_its_first_rows(q_len):
+    # pytorch's test_flex_decoding idiom: a mask of the whole cache, seq_lengths set for the step
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 40)
+
+    block_mask = torch_flex.create_block_mask(sliding, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=16)
+    block_mask.seq_lengths = (q_len, 128)
+    q, k, v = _qkv(1, 2, 2, q_len, 128, seed=3)
+    out = maskc.flex_attention(q, k, v, block_mask=block_mask)
+    torch.testing.assert_close(out, torch_flex.flex_attention(q, k, v, block_mask=block_mask), atol=2e-5, rtol=2e-5)
+    ref, _ = attention_reference(q, k, v, mask_mod=sliding)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    short = torch_flex.create_block_mask(sliding, 1, 1, 16, 128, device="cpu", BLOCK_SIZE=16)
+    short.seq_lengths = (20, 128)
+    with pytest.raises(ValueError, match="block_mask has 1 rows of q blocks, but Q_LEN=20"):
+        maskc.flex_attention(_qkv(1, 2, 2, 20, 128)[0], k, v, block_mask=short)
+
+
 def test_blocks_larger_than_the_kernels_tiles_are_read_as_flex_attention_reads_them():
     """torch's own no-op BlockMask (one block of 2**30 made for lengths (1, 1), which torch's
     flex_attention does not check) and hand-made blocks of 512: each block's status holds for

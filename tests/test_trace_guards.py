@@ -185,6 +185,95 @@ def test_list_changed_in_place_retraces():
     assert mm.signature == masks.sliding_window(3).signature
 
 
+def test_attributes_of_captured_objects_are_guarded():
+    # a config namespace, a dataclass and a module read through their attributes: each read is
+    # a parameter or a guard, as a callable object's are (found by running code nobody here wrote)
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass
+    class Config:
+        window: int
+
+    cfg, opts, module = Config(3), types.SimpleNamespace(window=3), types.ModuleType("user_config")
+    module.window = 3
+
+    def through_dataclass(b, h, q_idx, kv_idx):
+        assert isinstance(cfg, Config)  # the stand-in passes isinstance
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= cfg.window)
+
+    def through_namespace(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= opts.window)
+
+    def through_module(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= module.window)
+
+    q, k, v = _inputs()
+    for fn, holder, name in ((through_dataclass, cfg, "cfg"), (through_namespace, opts, "opts"),
+                             (through_module, module, "module")):
+        mm = as_mask_mod(fn)
+        assert _values(mm) == [(f"{name}.window", 3)]
+        holder.window = 20
+        assert _values(mm) == [(f"{name}.window", 20)]
+        _assert_traces_like_eager(fn)
+        _assert_attention_matches(q, k, v, mask_mod=fn)
+
+
+def test_an_nn_module_closure_follows_its_attributes_and_buffers():
+    # the mod built once in __init__ over self: its window changed, its ids buffer reassigned
+    class Attention(torch.nn.Module):
+        def __init__(self, ids):
+            super().__init__()
+            self.window = 4
+            self.register_buffer("ids", ids)
+
+            def mask(b, h, q_idx, kv_idx):
+                return (self.ids[q_idx] == self.ids[kv_idx]) & (q_idx - kv_idx <= self.window) & (q_idx >= kv_idx)
+            self.mask = mask
+
+    module = Attention(DOC_IDS.clone())
+    q, k, v = _inputs()
+    _assert_attention_matches(q, k, v, mask_mod=module.mask)
+    module.window = 30
+    _assert_attention_matches(q, k, v, mask_mod=module.mask)
+    module.ids = torch.tensor([0] * 25 + [1] * 15)
+    _assert_attention_matches(q, k, v, mask_mod=module.mask)
+    _assert_traces_like_eager(module.mask)
+
+
+def test_a_nested_config_changed_in_place_retraces():
+    config = {"attention": {"window": 3}, "bounds": ([2, 8],)}
+
+    def windowed(b, h, q_idx, kv_idx):
+        low, high = config["bounds"][0]
+        return (q_idx - kv_idx <= config["attention"]["window"]) & (kv_idx >= low) & (kv_idx <= high)
+
+    first = as_mask_mod(windowed).signature
+    config["attention"]["window"] = 5
+    second = as_mask_mod(windowed).signature
+    assert second != first
+    config["bounds"][0][1] = 6  # a list inside a tuple
+    assert as_mask_mod(windowed).signature != second
+    _assert_traces_like_eager(windowed)
+
+
+def test_objects_used_by_their_operators_are_not_stood_in_for():
+    # a sequence is indexed, not read by attributes: it stays itself (compared by identity)
+    class Sizes:
+        def __init__(self):
+            self.values = [3, 5]
+
+        def __getitem__(self, i):
+            return self.values[i]
+
+    sizes = Sizes()
+
+    def first_size(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx <= sizes[0]
+
+    _assert_traces_like_eager(first_size)
+
+
 def test_deleted_global_is_not_silently_kept(monkeypatch):
     mm = as_mask_mod(sliding_global)
     assert mm.traced is not None

@@ -221,9 +221,15 @@ class BlockMap:
         q_len, kv_len = (int(n) for n in seq_lengths)
         block_size = (block_size, block_size) if isinstance(block_size, int) else tuple(int(b) for b in block_size)
         n_q, n_kv = -(-q_len // block_size[0]), -(-kv_len // block_size[1])
-        if num.shape[-1] != n_q:
+        if num.shape[-1] < n_q:
             raise ValueError(f"block_mask has {num.shape[-1]} rows of q blocks, but Q_LEN={q_len} with "
                              f"BLOCK_SIZE={block_size} makes {n_q}; build it with create_block_mask for its lengths")
+        if num.shape[-1] > n_q:
+            # made for more queries (torch's decoding idiom: a mask of the whole cache, seq_lengths set
+            # to (1, KV_LEN)): its first rows serve, as FlexAttention's kernel reads them
+            num, kv_indices = num[..., :n_q], kv_indices[..., :n_q, :]
+            if full_kv_num_blocks is not None:
+                full_kv_num_blocks, full_kv_indices = full_kv_num_blocks[..., :n_q], full_kv_indices[..., :n_q, :]
         grid = _flex_grid(num, kv_indices, n_kv, "kv_indices")
         if full_kv_num_blocks is not None:
             full = _flex_grid(full_kv_num_blocks, full_kv_indices, n_kv, "full_kv_indices")

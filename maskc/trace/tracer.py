@@ -1,14 +1,16 @@
 """Trace a mask_mod or score_mod into a canonical sympy expression.
 
 The user's callable is re-created with its captured Python numbers replaced by parameter
-proxies (closure cells, referenced globals, functools.partial arguments and the attributes a
-callable object reads, recursively through helper functions and composed mods), then called
+proxies (closure cells, referenced globals, functools.partial arguments and the attributes
+read from a callable object or a captured one such as a config, a namespace or an nn.Module,
+recursively through helper functions and composed mods), then called
 with proxies for b, h, q_idx, kv_idx (and score). Every value read on the way is kept as a
 guard, as Dynamo guards its frames: `guards_hold` re-checks them on every use of the trace,
 and a change means the trace no longer describes the mod.
 """
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import inspect
@@ -16,6 +18,7 @@ import logging
 import math
 import operator
 import os
+import sys
 import threading
 import time
 import types
@@ -46,6 +49,10 @@ _CONTAINERS = (list, tuple, dict)
 # made anew on each attribute read) and everything else by identity; lists and dicts are
 # kept as copies, so that a change in place shows too.
 _BY_VALUE = frozenset({int, float, bool, complex, str, bytes, list, tuple, dict, types.MethodType})
+# An object that has any of these is used by its operators (indexed, iterated, counted, added),
+# which a stand-in that guards attribute reads cannot pass on: it is compared by identity only.
+_OPERATORS = ("__getitem__", "__iter__", "__len__", "__bool__", "__index__", "__int__", "__float__", "__add__",
+              "__array__", "__torch_function__")
 _CELL = operator.attrgetter("cell_contents")
 
 # (fetch, source, expected): fetch(source) read `expected` while tracing.
@@ -148,7 +155,7 @@ class _Rebinder:
 
     def guarded(self, fetch, source, found, origin: str):
         """`found`, which `fetch(source)` just read, rebound; the read becomes a guard."""
-        self.guards.append((fetch, source, found.copy() if type(found) in (list, dict) else found))
+        self.guards.append((fetch, source, _snapshot(found)))
         n_params = len(self.params)
         rebound = self.value(found, origin)
         if type(found) in (int, float) and len(self.params) > n_params:  # this read became that parameter
@@ -193,6 +200,8 @@ class _Rebinder:
             return self._remember(value, method)
         if not isinstance(value, type) and _traced_through(getattr(type(value), "__call__", None)):
             return self.instance(value, origin)
+        if _has_attributes(value):
+            return self.instance(value, origin)
         return value
 
     def _remember(self, original, copy):
@@ -225,7 +234,7 @@ class _Rebinder:
         return new
 
     def _container(self, value, origin: str):
-        if not _holds_callable(value):
+        if not _holds_rebound(value):
             return value
         # each element is guarded too: the container's own guard compares a shallow copy,
         # which cannot see a change inside an element
@@ -243,10 +252,15 @@ class _Rebinder:
 
 
 class _Instance:
-    """Stands in for a callable object, and for `self` in its methods: each attribute read is
-    rebound (numbers become parameters) and guarded, so `self.window = 128` traces again."""
+    """Stands in for a callable object, for `self` in its methods and for an object a mod reads
+    attributes of (`cfg.window`): each attribute read is rebound (numbers become parameters) and
+    guarded, so `self.window = 128` or `cfg.window = 128` traces again."""
 
     __slots__ = ("_maskc_obj", "_maskc_rebinder", "_maskc_origin", "_maskc_read", "_maskc_call")
+
+    @property
+    def __class__(self):
+        return type(self._maskc_obj)  # isinstance(cfg, Config) holds for the stand-in too
 
     def __init__(self, obj, rebinder: _Rebinder, origin: str):
         self._maskc_obj, self._maskc_rebinder, self._maskc_origin = obj, rebinder, origin
@@ -280,9 +294,46 @@ def _traced_through(fn) -> bool:
     return module in _MOD_MODULES or module.split(".")[0] not in _LIBRARY_PREFIXES
 
 
-def _holds_callable(value) -> bool:
+def _holds_rebound(value) -> bool:
+    """Whether a container holds what the rebinder replaces: a callable or an object whose
+    attribute reads it guards, at any depth."""
     items = value.values() if isinstance(value, dict) else value
-    return any(callable(v) or (type(v) in _CONTAINERS and _holds_callable(v)) for v in items)
+    return any(callable(v) or _has_attributes(v) or (type(v) in _CONTAINERS and _holds_rebound(v)) for v in items)
+
+
+def _has_attributes(value) -> bool:
+    """Whether `value` is an object whose attribute reads are guarded one by one (through an
+    _Instance): a namespace, a user module, or an instance of a user class (a config, a
+    dataclass, an nn.Module subclass), but no class, enum member or tensor, and nothing used by
+    its operators (_OPERATORS). Library and standard-library objects are compared by identity."""
+    kind = type(value)
+    if kind is types.SimpleNamespace:
+        return True
+    if kind is types.ModuleType:
+        return _user_module(value.__name__)
+    if kind is _Instance or isinstance(value, (type, enum.Enum, torch.Tensor)) or not (
+            hasattr(value, "__dict__") or hasattr(kind, "__slots__")):
+        return False
+    return _user_module(kind.__module__) and not any(hasattr(kind, name) for name in _OPERATORS)
+
+
+def _user_module(name) -> bool:
+    top = (name or "").split(".")[0]
+    return top not in _LIBRARY_PREFIXES and top not in sys.stdlib_module_names and top != "maskc"
+
+
+def _snapshot(value):
+    """What a guard compares a read with: lists and dicts copied at every depth (also inside
+    tuples), so that a change in place inside a nested config shows; the rest as it is."""
+    kind = type(value)
+    if kind is list:
+        return [_snapshot(v) for v in value]
+    if kind is tuple:
+        copied = tuple(_snapshot(v) for v in value)
+        return value if all(c is v for c, v in zip(copied, value)) else copied
+    if kind is dict:
+        return {k: _snapshot(v) for k, v in value.items()}
+    return value
 
 
 def _code(fn):
