@@ -376,11 +376,12 @@ def _built(make):
     one CI run, a relation over one found its assumptions inconsistent in another, and an
     equality of floor terms recursed through rewrite(frac) in a third, and a Piecewise whose
     condition is a Piecewise of constant conditions raised KeyError in its rewrite to ITE in a
-    fourth. Each leaves sympy's caches half written, so they are cleared, and the draw is
-    rejected: it tests sympy, not the printer."""
+    fourth, and a relation canonicalised in a Piecewise compared a NaN (TypeError "Invalid NaN
+    comparison") in a fifth. Each leaves sympy's caches half written, so they are cleared, and
+    the draw is rejected: it tests sympy, not the printer."""
     try:
         built = make()
-    except (RecursionError, InconsistentAssumptions, KeyError):
+    except (RecursionError, InconsistentAssumptions, KeyError, TypeError):
         clear_cache()
         reject()
     if built.has(sympy.zoo):  # a drawn division by zero, which the tracer refuses (test_input_errors)

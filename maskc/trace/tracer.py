@@ -1,16 +1,18 @@
 """Trace a mask_mod or score_mod into a canonical sympy expression.
 
 The user's callable is re-created with its captured Python numbers replaced by parameter
-proxies (closure cells, referenced globals, functools.partial arguments and the attributes
-read from a callable object or a captured one such as a config, a namespace or an nn.Module,
-recursively through helper functions and composed mods), then called
+proxies (closure cells, referenced globals, functools.partial arguments and the attributes a
+callable object reads, recursively through helper functions and composed mods), then called
 with proxies for b, h, q_idx, kv_idx (and score). Every value read on the way is kept as a
 guard, as Dynamo guards its frames: `guards_hold` re-checks them on every use of the trace,
-and a change means the trace no longer describes the mod.
+and a change means the trace no longer describes the mod. Other objects a mod captures (a
+config, a namespace, an nn.Module a closure holds) reach it unchanged; the chains of attribute
+reads and constant subscripts its code applies to them (`cfg.attn.window`, `self.ids`,
+`CFG["attn"]["window"]`) are read from its bytecode and guarded as paths.
 """
 from __future__ import annotations
 
-import enum
+import dis
 import functools
 import hashlib
 import inspect
@@ -49,10 +51,6 @@ _CONTAINERS = (list, tuple, dict)
 # made anew on each attribute read) and everything else by identity; lists and dicts are
 # kept as copies, so that a change in place shows too.
 _BY_VALUE = frozenset({int, float, bool, complex, str, bytes, list, tuple, dict, types.MethodType})
-# An object that has any of these is used by its operators (indexed, iterated, counted, added),
-# which a stand-in that guards attribute reads cannot pass on: it is compared by identity only.
-_OPERATORS = ("__getitem__", "__iter__", "__len__", "__bool__", "__index__", "__int__", "__float__", "__add__",
-              "__array__", "__torch_function__")
 _CELL = operator.attrgetter("cell_contents")
 
 # (fetch, source, expected): fetch(source) read `expected` while tracing.
@@ -155,7 +153,7 @@ class _Rebinder:
 
     def guarded(self, fetch, source, found, origin: str):
         """`found`, which `fetch(source)` just read, rebound; the read becomes a guard."""
-        self.guards.append((fetch, source, _snapshot(found)))
+        self.guards.append((fetch, source, found.copy() if type(found) in (list, dict) else found))
         n_params = len(self.params)
         rebound = self.value(found, origin)
         if type(found) in (int, float) and len(self.params) > n_params:  # this read became that parameter
@@ -200,8 +198,6 @@ class _Rebinder:
             return self._remember(value, method)
         if not isinstance(value, type) and _traced_through(getattr(type(value), "__call__", None)):
             return self.instance(value, origin)
-        if _has_attributes(value):
-            return self.instance(value, origin)
         return value
 
     def _remember(self, original, copy):
@@ -231,10 +227,47 @@ class _Rebinder:
             if name in fn_globals:
                 fn_globals[name] = self.guarded(operator.itemgetter(name), fn.__globals__, fn_globals[name],
                                                 _join(origin, name))
+        # the objects that reach the copy as they are (a config, an nn.Module): their paths
+        roots = {("LOAD_GLOBAL", name): (operator.itemgetter(name), fn.__globals__) for name in code.co_names
+                 if name in fn_globals and fn_globals[name] is fn.__globals__[name] and _path_root(fn_globals[name])}
+        roots.update({("LOAD_DEREF", name): (_CELL, cell)
+                      for name, cell, new_cell in zip(code.co_freevars, fn.__closure__ or (), cells)
+                      if _filled(new_cell) and new_cell.cell_contents is _CELL(cell) and _path_root(_CELL(cell))})
+        self.guard_paths(code, roots)
         return new
 
+    def guard_paths(self, code: types.CodeType, roots: dict, past_first: bool = False) -> None:
+        """Guard each chain of attribute reads and constant subscripts `code` applies to a root
+        ((load opcode, name) -> (fetch, source)) that reached it unchanged: the value at the end
+        of the chain is what the trace used (a number as a constant, a tensor as itself).
+        `past_first`: the root is a stand-in, which guards the chains' first reads itself."""
+        for root, steps in _read_paths(code):
+            if root not in roots:
+                continue
+            fetch, source = roots[root]
+            if past_first:
+                if len(steps) < 2 or not _path_root(_first(fetch(source), steps[0])):
+                    continue
+            walked = _walkable(fetch(source), steps)
+            if not walked:
+                continue
+
+            def path(src, fetch=fetch, steps=walked):
+                value = fetch(src)
+                for step, key in steps:
+                    value = step(value, key)
+                return value
+            try:
+                found, again = path(source), path(source)
+            except Exception:  # noqa: BLE001 (a read the mod did not make: a branch not taken)
+                continue
+            # a chain that gives a new object on each read could not be guarded without tracing
+            # again on every call: such a read stays unguarded, as before paths were guarded
+            if found is again or (type(found) in _BY_VALUE and type(again) is type(found) and found == again):
+                self.guards.append((path, source, found.copy() if type(found) in (list, dict) else found))
+
     def _container(self, value, origin: str):
-        if not _holds_rebound(value):
+        if not _holds_callable(value):
             return value
         # each element is guarded too: the container's own guard compares a shallow copy,
         # which cannot see a change inside an element
@@ -247,20 +280,21 @@ class _Rebinder:
         if done is not None and isinstance(done[1], _Instance):
             return done[1]
         stand_in = _Instance(obj, self, origin)
+        call = getattr(type(obj), "__call__", None)
+        if stand_in._maskc_call is not None and call.__code__.co_argcount:
+            # self.cfg.window in __call__: the stand-in guards (and rebinds) self.cfg, the path
+            # what is read past it where self.cfg reached the mod as it is
+            self.guard_paths(call.__code__, {("LOAD_FAST", call.__code__.co_varnames[0]): (_identity, obj)},
+                             past_first=True)
         # an object already rebound as something else (a MaskMod whose method is bound) keeps that copy
         return stand_in if done is not None else self._remember(obj, stand_in)
 
 
 class _Instance:
-    """Stands in for a callable object, for `self` in its methods and for an object a mod reads
-    attributes of (`cfg.window`): each attribute read is rebound (numbers become parameters) and
-    guarded, so `self.window = 128` or `cfg.window = 128` traces again."""
+    """Stands in for a callable object, and for `self` in its methods: each attribute read is
+    rebound (numbers become parameters) and guarded, so `self.window = 128` traces again."""
 
     __slots__ = ("_maskc_obj", "_maskc_rebinder", "_maskc_origin", "_maskc_read", "_maskc_call")
-
-    @property
-    def __class__(self):
-        return type(self._maskc_obj)  # isinstance(cfg, Config) holds for the stand-in too
 
     def __init__(self, obj, rebinder: _Rebinder, origin: str):
         self._maskc_obj, self._maskc_rebinder, self._maskc_origin = obj, rebinder, origin
@@ -294,46 +328,86 @@ def _traced_through(fn) -> bool:
     return module in _MOD_MODULES or module.split(".")[0] not in _LIBRARY_PREFIXES
 
 
-def _holds_rebound(value) -> bool:
-    """Whether a container holds what the rebinder replaces: a callable or an object whose
-    attribute reads it guards, at any depth."""
-    items = value.values() if isinstance(value, dict) else value
-    return any(callable(v) or _has_attributes(v) or (type(v) in _CONTAINERS and _holds_rebound(v)) for v in items)
+def _read_paths(code: types.CodeType) -> list[tuple[tuple[str, str], tuple]]:
+    """((load opcode, name), steps) of each chain of attribute reads and constant subscripts in
+    `code` that starts at a global, a closure cell or a local: steps are (getattr, name) and
+    (operator.getitem, constant). A method call ends a chain (its result is not a read)."""
+    found = []
+    ops = list(dis.get_instructions(code))
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        i += 1
+        if op.opname not in ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_FAST"):
+            continue
+        steps = []
+        while i < len(ops):
+            if ops[i].opname == "LOAD_ATTR":
+                steps.append((getattr, ops[i].argval))
+                i += 1
+            elif ops[i].opname in ("LOAD_CONST", "LOAD_SMALL_INT") and i + 1 < len(ops) and (
+                    ops[i + 1].opname == "BINARY_SUBSCR" or (ops[i + 1].opname == "BINARY_OP" and ops[i + 1].argrepr == "[]")):
+                steps.append((operator.getitem, ops[i].argval))
+                i += 2
+            else:
+                break
+        if steps:
+            found.append(((op.opname, op.argval), tuple(steps)))
+    return found
 
 
-def _has_attributes(value) -> bool:
-    """Whether `value` is an object whose attribute reads are guarded one by one (through an
-    _Instance): a namespace, a user module, or an instance of a user class (a config, a
-    dataclass, an nn.Module subclass), but no class, enum member or tensor, and nothing used by
-    its operators (_OPERATORS). Library and standard-library objects are compared by identity."""
-    kind = type(value)
-    if kind is types.SimpleNamespace:
-        return True
-    if kind is types.ModuleType:
-        return _user_module(value.__name__)
-    if kind is _Instance or isinstance(value, (type, enum.Enum, torch.Tensor)) or not (
-            hasattr(value, "__dict__") or hasattr(kind, "__slots__")):
-        return False
-    return _user_module(kind.__module__) and not any(hasattr(kind, name) for name in _OPERATORS)
+def _walkable(value, steps) -> tuple:
+    """The leading steps of a chain a guard may repeat on every call: attribute reads of objects
+    that are no tensors, through no property (its getter would run on every check), and
+    subscripts of lists, tuples and dicts."""
+    walked = []
+    for step, key in steps:
+        if step is getattr:
+            if isinstance(value, torch.Tensor) or isinstance(inspect.getattr_static(type(value), key, None), property):
+                break
+        elif type(value) not in _CONTAINERS:
+            break
+        try:
+            value = step(value, key)
+        except Exception:  # noqa: BLE001 (a read the mod did not make here)
+            break
+        walked.append((step, key))
+    return tuple(walked)
 
 
-def _user_module(name) -> bool:
-    top = (name or "").split(".")[0]
-    return top not in _LIBRARY_PREFIXES and top not in sys.stdlib_module_names and top != "maskc"
+def _path_root(value) -> bool:
+    """Whether the chains read from `value`, which reached the mod as it is, are guarded: an
+    object (a config, a namespace, a dict, an nn.Module), your own module or class, not a
+    library's or the standard library's module or class, a function or a constant."""
+    if isinstance(value, (types.ModuleType, type)):  # your own module or class (K.WINDOW)
+        top = (value.__name__ if isinstance(value, types.ModuleType) else value.__module__).split(".")[0]
+        return top not in _LIBRARY_PREFIXES and top not in sys.stdlib_module_names
+    return not isinstance(value, (int, float, complex, str, bytes, torch.Tensor, types.FunctionType,
+                                  types.BuiltinFunctionType))
 
 
-def _snapshot(value):
-    """What a guard compares a read with: lists and dicts copied at every depth (also inside
-    tuples), so that a change in place inside a nested config shows; the rest as it is."""
-    kind = type(value)
-    if kind is list:
-        return [_snapshot(v) for v in value]
-    if kind is tuple:
-        copied = tuple(_snapshot(v) for v in value)
-        return value if all(c is v for c, v in zip(copied, value)) else copied
-    if kind is dict:
-        return {k: _snapshot(v) for k, v in value.items()}
+def _first(value, step):
+    try:
+        return step[0](value, step[1])
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _identity(value):
     return value
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _holds_callable(value) -> bool:
+    items = value.values() if isinstance(value, dict) else value
+    return any(callable(v) or (type(v) in _CONTAINERS and _holds_callable(v)) for v in items)
 
 
 def _code(fn):
