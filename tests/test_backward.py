@@ -197,3 +197,14 @@ def test_a_score_mod_with_an_infinite_derivative_at_zero_keeps_gradients_finite(
     for got, ref in zip(torch.autograd.grad(out, (q, k, v), d_out), torch.autograd.grad(want, (q, k, v), d_out)):
         assert got.isfinite().all()
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-8)
+
+
+def test_create_graph_is_refused_rather_than_losing_the_second_order_terms():
+    # a gradient penalty on maskc's first-order gradients: they cannot differentiate further,
+    # and torch's once_differentiable would let the penalty's attention terms drop silently
+    q, k, v = (torch.randn(1, 2, 24, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal)
+    with pytest.raises(maskc.MaskcError, match="differentiable once.*create_graph=True"):
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    (dq,) = torch.autograd.grad(maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal).square().sum(), q)
+    assert not dq.requires_grad

@@ -155,6 +155,32 @@ def test_gradients_accumulate_into_the_captured_tensor_without_q_k_v_gradients()
     torch.testing.assert_close(slopes.grad, 2 * first)
 
 
+def test_query_rows_past_the_length_add_nothing_to_a_captured_gradient():
+    # A slope driven negative makes scores grow with q_idx - kv_idx. The dQ kernel's rows past
+    # Lq (50 of a 64-row tile) have q = 0 and lse = -inf, so their p = exp2(score) overflowed
+    # float32 and ds was NaN, which the integer sum turned into ±2**31 (a helper found it).
+    slopes = torch.tensor([0.25, -2.0], requires_grad=True)
+
+    @maskc.score_mod
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 50, 16, generator=gen) for _ in range(3))
+    d_out = torch.randn(1, 2, 50, 16, generator=gen)
+    out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal, score_mod=alibi)
+    (got,) = torch.autograd.grad(out, slopes, d_out)
+    exact = slopes.detach().double().requires_grad_()
+
+    def reference_alibi(score, b, h, q_idx, kv_idx):
+        return score + exact[h] * (kv_idx - q_idx)
+
+    ref, _ = attention_reference(q.double(), k.double(), v.double(), mask_mod=maskc.masks.causal,
+                                 score_mod=reference_alibi)
+    (want,) = torch.autograd.grad(ref, exact, d_out.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-3)
+
+
 def test_what_has_no_gradient_is_refused_with_the_rule():
     ids = torch.zeros(8).requires_grad_()
 
@@ -178,8 +204,15 @@ def test_what_has_no_gradient_is_refused_with_the_rule():
     def rounded(score, b, h, q_idx, kv_idx):
         return score + torch.floor(bias[kv_idx])
 
-    with pytest.raises(maskc.MaskcError, match="not differentiable in its captured tensor element"):
+    with pytest.raises(maskc.MaskcError, match=r"not differentiable in its captured tensor element.*\.detach\(\)"):
         maskc.compiled_attention(q, k, v, score_mod=rounded).sum().backward()
+
+    @maskc.score_mod
+    def rounded_detached(score, b, h, q_idx, kv_idx):  # the fix the error gives: no gradient through that read
+        return score + torch.floor(bias.detach()[kv_idx]) + bias[kv_idx]
+
+    maskc.compiled_attention(q, k, v, score_mod=rounded_detached).sum().backward()
+    assert bias.grad is not None
 
 
 @pytest.mark.parametrize("kind, reads", [("relative", "diagonals"), ("relative_per_head", "diagonals"),

@@ -322,25 +322,34 @@ def test_decoding_operators_pass_opcheck():
                            "", None, True))
 
 
-def test_captured_tensor_requiring_grad_is_refused_under_compile():
-    """The operators have no autograd inputs for captured tensors: a gradient would be missing, so
-    a call with gradients enabled refuses it, even where q, k and v need none (no backward is
-    recorded there); under no_grad the same code compiles."""
+def test_a_captured_tensor_requiring_grad_runs_outside_the_graph_under_compile():
+    """The operators have no autograd inputs for captured tensors, the eager autograd Function
+    has: with gradients on, the call runs outside the graph and the slopes get their gradient;
+    fullgraph=True gets Dynamo's error with the fix; under no_grad the call stays in the graph.
+    It had been refused inside the graph, which Dynamo without fullgraph took for a graph break,
+    tracing maskc's eager path and crashing in Triton's interpreter (a helper found it)."""
     slopes = torch.rand(HEADS, requires_grad=True)
 
     @maskc.score_mod
     def alibi(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
 
-    attend = torch.compile(lambda q: maskc.compiled_attention(q, q, q, mask_mod=masks.causal, score_mod=alibi),
-                           backend="aot_eager", fullgraph=True)
-    q = torch.randn(1, HEADS, L, DIM)
-    with pytest.raises(Exception, match="captures a tensor that requires grad"):
-        attend(q)  # only the slopes want a gradient
-    with pytest.raises(Exception, match="captures a tensor that requires grad"):
-        attend(q.clone().requires_grad_())
+    def call(q):
+        return maskc.compiled_attention(q, q, q, mask_mod=masks.causal, score_mod=alibi)
+
+    def flex_call(q):
+        return maskc.flex_attention(q, q, q, score_mod=alibi)
+
+    q = torch.randn(1, HEADS, L, DIM, generator=torch.Generator().manual_seed(0))
+    full = torch.compile(call, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="a captured tensor that requires grad gets its gradient from maskc's eager"):
+        full(q)  # only the slopes want a gradient
     with torch.no_grad():
-        assert attend(q).shape == q.shape
+        assert full(q).shape == q.shape
+    for fn in (call, flex_call):
+        (want,) = torch.autograd.grad(fn(q).square().sum(), slopes)
+        (got,) = torch.autograd.grad(torch.compile(fn, backend="aot_eager")(q).square().sum(), slopes)
+        torch.testing.assert_close(got, want)
 
 
 def test_flex_attention_with_new_block_masks_compiles_once():

@@ -254,6 +254,8 @@ class _Derivative:
         fix = (f"use operations differentiable in {'score' if self.target == SCORE else 'it'} (torch.where, clamp, "
                f"abs, exp, tanh, ...), or apply it to b, h, q_idx and kv_idx only" if isinstance(e, _STEPS)
                else "maskc has no derivative rule for it")
+        if self.target != SCORE:  # torch gives such a read a zero gradient; maskc asks for it to be said
+            fix += "; or read that tensor through .detach() there, if no gradient should flow through that read"
         raise MaskcError(f"score_mod is not differentiable in {what} at {describe(e, limit=40)}, which the "
                          f"backward pass needs; {fix}")
 

@@ -22,7 +22,7 @@ import torch.nn.attention.flex_attention as torch_flex
 from maskc.analysis import BlockMap, block_map
 from maskc.masks import and_masks, or_masks
 from maskc.runtime import compiled_attention
-from maskc.runtime.api import outside_graph, plain_function
+from maskc.runtime.api import CAPTURED_GRADIENTS, captured_need_grad, outside_graph, plain_function
 from maskc.runtime.tiles import MAX_TILE, check_block_size
 from maskc.trace import MaskMod, as_mask_mod
 
@@ -75,6 +75,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         # here, not in compiled_attention: outside the graph, a torch BlockMask is converted below
         return _flex_attention_outside_graph(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                              kernel_options, return_aux=return_aux)
+    if torch.compiler.is_compiling() and captured_need_grad(None, score_mod):
+        return _flex_attention_for_gradients(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                                             kernel_options, return_aux=return_aux)
     mask = bm = None
     if _no_op(block_mask):
         mask = None if block_mask.mask_mod is torch_flex.noop_mask else block_mask.mask_mod
@@ -96,6 +99,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
 
 _flex_attention_outside_graph = outside_graph(flex_attention)
+_flex_attention_for_gradients = outside_graph(flex_attention, reason=CAPTURED_GRADIENTS)
 
 
 def _no_op(block_mask) -> bool:

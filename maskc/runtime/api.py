@@ -24,12 +24,23 @@ from maskc.trace.mods import MaskMod, ScoreMod, as_mask_mod, as_score_mod
 PLAIN_FUNCTION = ("maskc: a plain function as mask_mod or score_mod runs outside the graph; decorate it with "
                   "@maskc.mask_mod or @maskc.score_mod, or wrap it once outside the compiled code (maskc.mask_mod(fn)), "
                   "to keep the call in the graph")
+# Where a mod's captured tensor requires grad: the operators' autograd has no inputs for it, but
+# the eager autograd Function has, so the call runs outside the graph too (it had been refused
+# there, which Dynamo took for a graph break, crashing in Triton's interpreter on CPU).
+CAPTURED_GRADIENTS = ("maskc: a captured tensor that requires grad gets its gradient from maskc's eager autograd, "
+                      "outside the graph; detach it inside the compiled code to keep the call in the graph")
 
 
 def plain_function(mask_mod, score_mod) -> bool:
     """Whether a mod is neither None nor traced by maskc yet (a MaskMod or ScoreMod)."""
     return (mask_mod is not None and not isinstance(mask_mod, MaskMod)) or (
         score_mod is not None and not isinstance(score_mod, ScoreMod))
+
+
+def captured_need_grad(mask_mod, score_mod) -> bool:
+    """Under torch.compile, whether gradients are on and a MaskMod's or ScoreMod's captured
+    tensor required grad when it was last traced (read without tracing again)."""
+    return torch.is_grad_enabled() and any(getattr(m, "captured_requires_grad", False) for m in (mask_mod, score_mod))
 
 
 def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enable_gqa=False, return_lse=False,
@@ -62,6 +73,9 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
         if plain_function(mask_mod, score_mod):
             return _compiled_attention_outside_graph(q, k, v, mask_mod, score_mod, scale, enable_gqa, return_lse,
                                                    block_map, kv_lens)
+        if kv_lens is None and captured_need_grad(mask_mod, score_mod):
+            return _compiled_attention_for_gradients(q, k, v, mask_mod, score_mod, scale, enable_gqa, return_lse,
+                                                     block_map)
         # Dynamo traces this branch alone: maskc's Python runs inside the operators (runtime/ops.py)
         if kv_lens is not None:
             out, lse = ops.decode(q, k, v, kv_lens, mask_mod, score_mod, scale, enable_gqa, block_map)
@@ -134,6 +148,7 @@ def outside_graph(fn, reason: str = PLAIN_FUNCTION):
 
 
 _compiled_attention_outside_graph = outside_graph(compiled_attention)
+_compiled_attention_for_gradients = outside_graph(compiled_attention, reason=CAPTURED_GRADIENTS)
 _paged_attention_outside_graph = outside_graph(paged_attention)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from maskc.errors import MaskcError
 from maskc.runtime import launch
 from maskc.runtime.plan import Problem
 
@@ -22,6 +23,7 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
+        refuse_second_derivatives()
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv, *captured = launch.backward(q, k, v, out, lse, d_out, d_lse, ctx.problem)
         return dq, dk, dv, None, *captured
@@ -38,7 +40,20 @@ class NoPairs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
+        refuse_second_derivatives()
         return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
 
 
-__all__ = ["AttentionFunction", "NoPairs"]
+def refuse_second_derivatives() -> None:
+    """The backward's gradients come from kernels with no derivative of their own: where the
+    backward runs with create_graph=True (grad mode on inside it), the gradients would come back
+    as constants and a loss built on them (a gradient penalty) would lose its attention terms
+    silently. torch's once_differentiable does not stop that: its error node hangs off copies."""
+    if torch.is_grad_enabled():
+        raise MaskcError("maskc's attention is differentiable once: its backward ran with create_graph=True, "
+                         "whose gradients would not differentiate further; call backward or autograd.grad "
+                         "without create_graph, or use scaled_dot_product_attention where second derivatives "
+                         "are needed")
+
+
+__all__ = ["AttentionFunction", "NoPairs", "refuse_second_derivatives"]

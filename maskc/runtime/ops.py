@@ -36,6 +36,7 @@ from maskc._slots import Slots
 from maskc.analysis.blockmap import BlockMap
 from maskc.runtime import decode as decoding
 from maskc.runtime import launch, plan
+from maskc.runtime.autograd import refuse_second_derivatives
 from maskc.runtime.tiles import MAX_TILE
 from maskc.trace.mods import MaskMod, ScoreMod, mod_of_key
 
@@ -271,6 +272,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _grad(ctx, d_out, d_lse, _):
+    refuse_second_derivatives()
     q, k, v, out, lse, token = ctx.saved_tensors
     dq, dk, dv = torch.ops.maskc.attention_backward(q, k, v, out, lse, token, d_out, d_lse)
     return dq, dk, dv, None, None, None, None, None, [None] * ctx.n_tiles, None
