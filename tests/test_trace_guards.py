@@ -291,6 +291,86 @@ def test_a_class_attribute_is_guarded():
     _assert_traces_like_eager(windowed)
 
 
+def test_paths_past_self_and_through_modules_lists_and_ordered_dicts():
+    # a second review's cases: a method mod reading self.cfg.window, a ModuleList indexed with a
+    # constant, an OrderedDict; an attribute that is a new tuple of tensors on each read (not
+    # guarded, no crash); a dict with attribute access raising KeyError for unknown names
+    import collections
+    import types
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cfg = types.SimpleNamespace(window=3)
+            self.layers = torch.nn.ModuleList([torch.nn.Module()])
+            self.layers[0].window = 3
+
+        def mask(self, b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx <= self.cfg.window)
+
+    model = Model()
+    ordered = collections.OrderedDict(window=3)
+
+    def through_list(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= model.layers[0].window)
+
+    def through_ordered(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= ordered["window"])
+
+    class AttrDict(dict):
+        __getattr__ = dict.__getitem__
+
+    settings = AttrDict(window=3)
+
+    def through_attr_dict(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= settings.window)
+
+    class Fresh:
+        @property
+        def pair(self):
+            return (torch.zeros(1), torch.zeros(1))
+
+    fresh = Fresh()
+
+    def through_fresh(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx + fresh.pair[0].sum()
+
+    assert as_mask_mod(through_fresh).signature
+    for fn, change in ((model.mask, lambda: setattr(model.cfg, "window", 9)),
+                       (through_list, lambda: setattr(model.layers[0], "window", 9)),
+                       (through_ordered, lambda: ordered.__setitem__("window", 9)),
+                       (through_attr_dict, lambda: settings.__setitem__("window", 9))):
+        first = maskc.mask_mod(fn)
+        signature = first.signature
+        change()
+        assert first.signature != signature
+        _assert_traces_like_eager(fn)
+
+
+def test_a_callable_attribute_of_a_callable_object_keeps_its_parameters():
+    # self.inner.offset, inner itself callable: a parameter of inner's stand-in, so a new value
+    # needs no new trace (a path guard there had made it a constant, traced again on each change)
+    class Inner:
+        def __init__(self):
+            self.offset = 2
+
+        def __call__(self, b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx + self.offset
+
+    class Outer:
+        def __init__(self):
+            self.inner = Inner()
+
+        def __call__(self, b, h, q_idx, kv_idx):
+            return self.inner(b, h, q_idx, kv_idx) & (kv_idx >= self.inner.offset)
+
+    outer = Outer()
+    mm = as_mask_mod(outer)
+    expr = mm.traced.expr
+    outer.inner.offset = 5
+    assert mm.traced.expr is expr and [p.value for p in mm.traced.params] == [5]
+
+
 def test_an_object_indexed_by_the_mod_works():
     # a sequence of the user's: indexed with a constant, an operator the mod's code applies
     class Sizes:

@@ -12,6 +12,7 @@ reads and constant subscripts its code applies to them (`cfg.attn.window`, `self
 """
 from __future__ import annotations
 
+import collections
 import dis
 import functools
 import hashlib
@@ -52,6 +53,10 @@ _CONTAINERS = (list, tuple, dict)
 # kept as copies, so that a change in place shows too.
 _BY_VALUE = frozenset({int, float, bool, complex, str, bytes, list, tuple, dict, types.MethodType})
 _CELL = operator.attrgetter("cell_contents")
+# Python 3.12 folded LOAD_METHOD into LOAD_ATTR, whose lowest argument bit marks a method load
+_METHOD_BIT = sys.version_info >= (3, 12)
+# what a path guard may index with a constant (_walkable)
+_INDEXED = (list, tuple, dict, torch.nn.ModuleList, torch.nn.ModuleDict)
 
 # (fetch, source, expected): fetch(source) read `expected` while tracing.
 Guard = tuple
@@ -180,7 +185,7 @@ class _Rebinder:
             return done[1]
         if type(value) in _CONTAINERS:
             return self._container(value, origin)
-        if getattr(value, "_maskc_mod", False):
+        if getattr(type(value), "_maskc_mod", False):
             return self._remember(value, self.value(value.fn, origin))
         if isinstance(value, types.FunctionType):
             return self.function(value, origin) if _traced_through(value) else value
@@ -195,6 +200,7 @@ class _Rebinder:
             return self._remember(value, functools.partial(func, *args, **keywords))
         if isinstance(value, types.MethodType) and _traced_through(value.__func__):
             method = types.MethodType(self.function(value.__func__, origin), self.instance(value.__self__, origin))
+            self.guard_self_paths(value.__func__, value.__self__)
             return self._remember(value, method)
         if not isinstance(value, type) and _traced_through(getattr(type(value), "__call__", None)):
             return self.instance(value, origin)
@@ -240,14 +246,14 @@ class _Rebinder:
         """Guard each chain of attribute reads and constant subscripts `code` applies to a root
         ((load opcode, name) -> (fetch, source)) that reached it unchanged: the value at the end
         of the chain is what the trace used (a number as a constant, a tensor as itself).
-        `past_first`: the root is a stand-in, which guards the chains' first reads itself."""
-        for root, steps in _read_paths(code):
+        `past_first`: the root is a stand-in, which guards (and rebinds) the chains' first reads
+        itself: only chains whose first read reached the mod as it is are guarded here."""
+        for root, steps in dict.fromkeys(_read_paths(code)):  # a chain read twice is guarded once
             if root not in roots:
                 continue
             fetch, source = roots[root]
-            if past_first:
-                if len(steps) < 2 or not _path_root(_first(fetch(source), steps[0])):
-                    continue
+            if past_first and (len(steps) < 2 or _rebound(_first(fetch(source), steps[0]))):
+                continue
             walked = _walkable(fetch(source), steps)
             if not walked:
                 continue
@@ -259,12 +265,21 @@ class _Rebinder:
                 return value
             try:
                 found, again = path(source), path(source)
-            except Exception:  # noqa: BLE001 (a read the mod did not make: a branch not taken)
+                # a chain that gives a new object on each read could not be guarded without
+                # tracing again on every call: such a read stays unguarded, as before paths were
+                stable = found is again or (type(found) in _BY_VALUE and type(again) is type(found)
+                                            and bool(found == again))
+            except Exception:  # noqa: BLE001 (a read the mod did not make, or values that do not compare)
                 continue
-            # a chain that gives a new object on each read could not be guarded without tracing
-            # again on every call: such a read stays unguarded, as before paths were guarded
-            if found is again or (type(found) in _BY_VALUE and type(again) is type(found) and found == again):
+            if stable:
                 self.guards.append((path, source, found.copy() if type(found) in (list, dict) else found))
+
+    def guard_self_paths(self, fn: types.FunctionType, obj) -> None:
+        """The chains past `self` (self.cfg.window) in a method of `obj`, whose stand-in guards
+        self's own attributes."""
+        code = fn.__code__
+        if code.co_argcount:
+            self.guard_paths(code, {("LOAD_FAST", code.co_varnames[0]): (_identity, obj)}, past_first=True)
 
     def _container(self, value, origin: str):
         if not _holds_callable(value):
@@ -280,12 +295,8 @@ class _Rebinder:
         if done is not None and isinstance(done[1], _Instance):
             return done[1]
         stand_in = _Instance(obj, self, origin)
-        call = getattr(type(obj), "__call__", None)
-        if stand_in._maskc_call is not None and call.__code__.co_argcount:
-            # self.cfg.window in __call__: the stand-in guards (and rebinds) self.cfg, the path
-            # what is read past it where self.cfg reached the mod as it is
-            self.guard_paths(call.__code__, {("LOAD_FAST", call.__code__.co_varnames[0]): (_identity, obj)},
-                             past_first=True)
+        if stand_in._maskc_call is not None:  # self.cfg.window in __call__
+            self.guard_self_paths(type(obj).__call__, obj)
         # an object already rebound as something else (a MaskMod whose method is bound) keeps that copy
         return stand_in if done is not None else self._remember(obj, stand_in)
 
@@ -331,18 +342,24 @@ def _traced_through(fn) -> bool:
 def _read_paths(code: types.CodeType) -> list[tuple[tuple[str, str], tuple]]:
     """((load opcode, name), steps) of each chain of attribute reads and constant subscripts in
     `code` that starts at a global, a closure cell or a local: steps are (getattr, name) and
-    (operator.getitem, constant). A method call ends a chain (its result is not a read)."""
+    (operator.getitem, constant). A method call ends a chain (its result is not a read), as
+    LOAD_METHOD (3.11) or LOAD_ATTR with its method bit (3.12 on). Python 3.13 and 3.14 load
+    locals as LOAD_FAST_LOAD_FAST pairs and LOAD_FAST_BORROW: the pair's second name starts one."""
     found = []
-    ops = list(dis.get_instructions(code))
+    ops = [op for op in dis.get_instructions(code) if op.opname != "EXTENDED_ARG"]
     i = 0
     while i < len(ops):
         op = ops[i]
         i += 1
-        if op.opname not in ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_FAST"):
+        if op.opname in ("LOAD_GLOBAL", "LOAD_DEREF"):
+            root = (op.opname, op.argval)
+        elif op.opname.startswith("LOAD_FAST"):
+            root = ("LOAD_FAST", op.argval[-1] if isinstance(op.argval, tuple) else op.argval)
+        else:
             continue
         steps = []
         while i < len(ops):
-            if ops[i].opname == "LOAD_ATTR":
+            if ops[i].opname == "LOAD_ATTR" and not (_METHOD_BIT and ops[i].arg & 1):
                 steps.append((getattr, ops[i].argval))
                 i += 1
             elif ops[i].opname in ("LOAD_CONST", "LOAD_SMALL_INT") and i + 1 < len(ops) and (
@@ -352,20 +369,21 @@ def _read_paths(code: types.CodeType) -> list[tuple[tuple[str, str], tuple]]:
             else:
                 break
         if steps:
-            found.append(((op.opname, op.argval), tuple(steps)))
+            found.append((root, tuple(steps)))
     return found
 
 
 def _walkable(value, steps) -> tuple:
     """The leading steps of a chain a guard may repeat on every call: attribute reads of objects
     that are no tensors, through no property (its getter would run on every check), and
-    subscripts of lists, tuples and dicts."""
+    subscripts of lists, tuples, dicts (an OrderedDict too, not a defaultdict, whose read of a
+    key gone would insert it) and nn.ModuleLists and ModuleDicts."""
     walked = []
     for step, key in steps:
         if step is getattr:
             if isinstance(value, torch.Tensor) or isinstance(inspect.getattr_static(type(value), key, None), property):
                 break
-        elif type(value) not in _CONTAINERS:
+        elif not isinstance(value, _INDEXED) or isinstance(value, collections.defaultdict):
             break
         try:
             value = step(value, key)
@@ -384,6 +402,14 @@ def _path_root(value) -> bool:
         return top not in _LIBRARY_PREFIXES and top not in sys.stdlib_module_names
     return not isinstance(value, (int, float, complex, str, bytes, torch.Tensor, types.FunctionType,
                                   types.BuiltinFunctionType))
+
+
+def _rebound(value) -> bool:
+    """Whether a stand-in's attribute read of `value` rebinds it (a number becomes a parameter, a
+    function or callable object is traced through): chains past it are its copy's to guard."""
+    return (isinstance(value, (bool, int, float, types.FunctionType, functools.partial, types.MethodType))
+            or getattr(type(value), "_maskc_mod", False) or (type(value) in _CONTAINERS and _holds_callable(value))
+            or (not isinstance(value, type) and _traced_through(getattr(type(value), "__call__", None))))
 
 
 def _first(value, step):
@@ -412,7 +438,7 @@ def _holds_callable(value) -> bool:
 
 def _code(fn):
     """The code object that runs when `fn` is called, or None if it is not Python code."""
-    if getattr(fn, "_maskc_mod", False):
+    if getattr(type(fn), "_maskc_mod", False):
         return _code(fn.fn)
     if isinstance(fn, types.FunctionType):
         return fn.__code__
@@ -437,7 +463,7 @@ def callable_name(fn) -> str:
 def trace(fn, kind: str) -> Traced:
     """Trace `fn` (a mask_mod when kind == "mask_mod", else a score_mod)."""
     name = callable_name(fn)
-    target = fn.fn if getattr(fn, "_maskc_mod", False) else fn
+    target = fn.fn if getattr(type(fn), "_maskc_mod", False) else fn
     code = _code(target)
     if code is None:
         raise TypeError(f"{kind} must be a Python function or lambda, got {type(target).__name__}; "
