@@ -1,6 +1,7 @@
-"""Gradients of captured tensors on CUDA: learnable ALiBi slopes, a per-head relative-position
-table, a per-head softcap and ALiBi slopes driven negative, against float64 autograd on a small problem, determinism of two
-runs, then forward+backward time with the bias learnable vs frozen (bf16, B=4, H=16, L=4096, D=128).
+"""Gradients of captured tensors on CUDA: learnable ALiBi slopes (also driven negative), a
+per-head relative-position table and a per-head softcap, against float64 autograd on a small
+problem, determinism of two runs, then forward+backward time with the bias learnable vs frozen
+(bf16, B=4, H=16, L=4096, D=128).
 
     bash benchmarks/run_gpu.sh benchmarks/check_gpu_captured_grads.py
 """

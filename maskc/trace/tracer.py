@@ -362,8 +362,7 @@ def _read_paths(code: types.CodeType) -> list[tuple[tuple[str, str], tuple]]:
             if ops[i].opname == "LOAD_ATTR" and not (_METHOD_BIT and ops[i].arg & 1):
                 steps.append((getattr, ops[i].argval))
                 i += 1
-            elif ops[i].opname in ("LOAD_CONST", "LOAD_SMALL_INT") and i + 1 < len(ops) and (
-                    ops[i + 1].opname == "BINARY_SUBSCR" or (ops[i + 1].opname == "BINARY_OP" and ops[i + 1].argrepr == "[]")):
+            elif ops[i].opname in ("LOAD_CONST", "LOAD_SMALL_INT") and i + 1 < len(ops) and _subscript(ops[i + 1]):
                 steps.append((operator.getitem, ops[i].argval))
                 i += 2
             else:
@@ -371,6 +370,11 @@ def _read_paths(code: types.CodeType) -> list[tuple[tuple[str, str], tuple]]:
         if steps:
             found.append((root, tuple(steps)))
     return found
+
+
+def _subscript(op) -> bool:
+    # BINARY_SUBSCR until Python 3.13, BINARY_OP [] from 3.14
+    return op.opname == "BINARY_SUBSCR" or (op.opname == "BINARY_OP" and op.argrepr == "[]")
 
 
 def _walkable(value, steps) -> tuple:
