@@ -223,22 +223,22 @@ class _Rebinder:
         new.__kwdefaults__ = fn.__kwdefaults__
         # remembered before its captures are rebound, so that a function reaching itself ends
         self._remember(fn, new)
+        # the objects that reach the copy as they are (a config, an nn.Module), whose paths are guarded
+        roots = {}
         for name, cell, new_cell in zip(code.co_freevars, fn.__closure__ or (), cells):
             try:
                 found = cell.cell_contents
             except ValueError:  # an empty cell: a name assigned later in the enclosing scope
                 continue
             new_cell.cell_contents = self.guarded(_CELL, cell, found, _join(origin, name))
+            if new_cell.cell_contents is found and _path_root(found):
+                roots["LOAD_DEREF", name] = (_CELL, cell)
         for name in code.co_names:
             if name in fn_globals:
-                fn_globals[name] = self.guarded(operator.itemgetter(name), fn.__globals__, fn_globals[name],
-                                                _join(origin, name))
-        # the objects that reach the copy as they are (a config, an nn.Module): their paths
-        roots = {("LOAD_GLOBAL", name): (operator.itemgetter(name), fn.__globals__) for name in code.co_names
-                 if name in fn_globals and fn_globals[name] is fn.__globals__[name] and _path_root(fn_globals[name])}
-        roots.update({("LOAD_DEREF", name): (_CELL, cell)
-                      for name, cell, new_cell in zip(code.co_freevars, fn.__closure__ or (), cells)
-                      if _filled(new_cell) and new_cell.cell_contents is _CELL(cell) and _path_root(_CELL(cell))})
+                found = fn_globals[name]
+                fn_globals[name] = self.guarded(operator.itemgetter(name), fn.__globals__, found, _join(origin, name))
+                if fn_globals[name] is found and _path_root(found):
+                    roots["LOAD_GLOBAL", name] = (operator.itemgetter(name), fn.__globals__)
         self.guard_paths(code, roots)
         return new
 
@@ -425,14 +425,6 @@ def _first(value, step):
 
 def _identity(value):
     return value
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
 
 
 def _holds_callable(value) -> bool:
