@@ -13,6 +13,7 @@ import logging
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention import flex_attention as torch_flex
@@ -125,6 +126,15 @@ def test_create_block_mask_returns_torchs_block_mask_with_torchs_tiles():
         last_row = (differ[:, 2] == a.shape[2] - 1) & bool(lq % 32)
         last_column = (differ[:, 3] == a.shape[3] - 1) & bool(lkv % 16)
         assert (last_row | last_column).all()
+
+
+@pytest.mark.parametrize("length", [torch.tensor(48), np.int64(48)], ids=["0-d tensor", "numpy int"])
+def test_create_block_mask_takes_lengths_as_torch_takes_them(length):
+    # lingua's generate.py passes lengths.sum(), a 0-d tensor; torch's create_block_mask takes it
+    ours = maskc.create_block_mask(masks.causal, 1, None, length, 48, device="cpu", BLOCK_SIZE=16)
+    theirs = torch_flex.create_block_mask(masks.causal, 1, None, length, 48, device="cpu", BLOCK_SIZE=16)
+    assert tuple(int(n) for n in ours.seq_lengths) == (48, 48)
+    assert torch.equal(_tiles(ours), _tiles(theirs))
 
 
 def test_create_block_mask_without_full_blocks_lists_every_kept_tile_as_partial():

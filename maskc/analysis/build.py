@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import time
 
 import numpy as np
@@ -47,15 +48,25 @@ def block_map(mask_mod, q_len: int, kv_len: int, *, block_size=(128, 128), B: in
     return block_map_of_trace(mm, mm.traced, q_len, kv_len, block_size=block_size, B=B, H=H, device=device)
 
 
+def _length(name: str, value) -> int:
+    """A sequence length as an int: Python's, numpy's, or a 0-d integer tensor's (torch's
+    create_block_mask takes each: lingua passes `lengths.sum()`)."""
+    try:
+        n = operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or isinstance(value, bool) or n < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}; pass the sequence length")
+    return n
+
+
 def block_map_of_trace(mm, traced, q_len: int, kv_len: int, *, block_size=(128, 128), B: int | None = None,
                        H: int | None = None, device=None) -> BlockMap:
     """block_map() of one trace of the MaskMod `mm`: the runtime builds the maps of a call from
     the trace its kernel runs with, read once per call, not from a later re-trace of `mm`."""
     start = time.perf_counter()
     bm, bn = block_size = _block_size(block_size)
-    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}; pass the sequence length")
+    q_len, kv_len = _length("q_len", q_len), _length("kv_len", kv_len)
     free = _free_symbols(traced.expr)
     n_b = _dim(mm, free, S.B, B, "B", "batch size")
     n_h = _dim(mm, free, S.H, H, "H", "number of query heads")
