@@ -431,7 +431,7 @@ def _dense(expr, env, p0):
     params = {P0_INT: p0} if isinstance(p0, int) else {P0_FLOAT: np.float64(p0)}
     params[P1_DIVISOR] = -3
     value = evaluate(expr, symbols_env(tensors["off_b"], tensors["off_h"], tensors["q_idx"], tensors["kv_idx"],
-                                       tensors["score"]), (torch.from_numpy(_TABLE),), params)
+                                       tensors["score"]), (torch.from_numpy(_TABLE),), params, floats=torch.float64)
     return np.asarray(value)
 
 

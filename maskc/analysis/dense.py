@@ -6,8 +6,11 @@ interval analysis could not decide). Python and torch semantics throughout: `//`
 the width give 0 or the sign); Trunc rounds toward zero; sign(0) = 0; a negative
 captured-tensor index counts from the end (torch's t[-1]) and one still out of range reads 0
 (False for bool tensors), exactly as the generated kernel does,
-and an element is read as int64 or float64, so that arithmetic on it cannot wrap (the kernel
-reads narrow types as int32 and float32).
+and an element is read as int64, so that arithmetic on it cannot wrap (the kernel reads narrow
+integer types as int32). Floats are float32, as the kernel computes them and as torch computes
+index arithmetic with float literals, unless a float64 tensor makes them float64: a float64
+evaluation decided a tile EMPTY where float32, the kernel's and torch's, keeps a pair
+(q_idx / 5 + q_idx * 0.3 == 2.0 holds in float32 at q_idx = 4).
 
 Each distinct node is evaluated once: nested torch.where builds expressions whose tree is
 exponentially larger than the number of distinct nodes. A value needed again is kept only
@@ -21,11 +24,13 @@ import torch
 from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE
 
 
-def evaluate(expr, env: dict, tensors, params: dict):
+def evaluate(expr, env: dict, tensors, params: dict, floats: torch.dtype = torch.float32):
     """Value of `expr` with index symbols bound to tensors in `env` (keys B, H, Q_IDX, KV_IDX,
     optionally SCORE), captured tensors by slot, and parameter symbols bound in `params`; on
-    the device of env's tensors (an expression free of them is a constant: a CPU scalar)."""
-    evaluator = _Evaluator(env, tensors, params, _uses(expr))
+    the device of env's tensors (an expression free of them is a constant: a CPU scalar).
+    `floats`: the dtype of float literals and of floats made from integers (float64 reads the
+    tree exactly, as the printer's tests do)."""
+    evaluator = _Evaluator(env, tensors, params, _uses(expr), floats)
     return evaluator.run(expr).to(evaluator.device)
 
 
@@ -46,8 +51,8 @@ def _uses(expr) -> dict:
 
 
 class _Evaluator:
-    def __init__(self, env, tensors, params, uses):
-        self.env, self.tensors, self.params = env, tensors, params
+    def __init__(self, env, tensors, params, uses, floats):
+        self.env, self.tensors, self.params, self.floats = env, tensors, params, floats
         self.left = uses  # node -> uses still to come, for the nodes used more than once
         self.kept = {}
         # Constants stay 0-d CPU tensors, which torch's elementwise ops take beside tensors on
@@ -76,17 +81,22 @@ class _Evaluator:
         if isinstance(e, sympy.Integer):
             return torch.tensor(int(e))
         if isinstance(e, (sympy.Rational, sympy.Float)) or e.is_Number:
-            return torch.tensor(float(e), dtype=torch.float64)
+            return torch.tensor(float(e), dtype=self.floats)
         if isinstance(e, sympy.Symbol):
             if e in self.env:
                 return self.env[e]
             return torch.tensor(self.params[e])
         if e is sympy.pi or e is sympy.E:
-            return torch.tensor(float(e), dtype=torch.float64)
+            return torch.tensor(float(e), dtype=self.floats)
         method = getattr(self, "_" + type(e).__name__, None)
         if method is None:
             raise NotImplementedError(f"dense evaluation of {type(e).__name__} ({e}) is not implemented")
         return method(e)
+
+    def _floating(self, x):
+        """`x` as the kernel's floats compute it: float32 and float64 stay, anything else is
+        `floats`."""
+        return x if x.dtype in (torch.float32, torch.float64) else x.to(self.floats)
 
     def _args(self, e):
         return [self.run(a) for a in e.args]
@@ -107,7 +117,7 @@ class _Evaluator:
         base, exp = self._args(e)
         if e.exp.is_integer and e.exp.is_nonnegative:
             return base**exp  # integers stay integers, as torch's int ** int
-        return base.to(torch.float64) ** exp
+        return self._floating(base) ** exp
 
     def _floor(self, e):
         num, den = sympy.fraction(sympy.together(e.args[0]))
@@ -152,36 +162,36 @@ class _Evaluator:
         return torch.sign(self.run(e.args[0]))
 
     def _Heaviside(self, e):
-        x = self.run(e.args[0]).to(torch.float64)
+        x = self._floating(self.run(e.args[0]))
         at_zero = float(e.args[1]) if len(e.args) > 1 else 0.5
-        return torch.where(x > 0, 1.0, torch.where(x == 0, at_zero, 0.0)).to(torch.float64)
+        return torch.where(x > 0, 1.0, torch.where(x == 0, at_zero, 0.0)).to(x.dtype)
 
     def _exp(self, e):
-        return torch.exp(self.run(e.args[0]).to(torch.float64))
+        return torch.exp(self._floating(self.run(e.args[0])))
 
     def _log(self, e):
-        return torch.log(self.run(e.args[0]).to(torch.float64))
+        return torch.log(self._floating(self.run(e.args[0])))
 
     def _tanh(self, e):
-        return torch.tanh(self.run(e.args[0]).to(torch.float64))
+        return torch.tanh(self._floating(self.run(e.args[0])))
 
     def _atan(self, e):
-        return torch.atan(self.run(e.args[0]).to(torch.float64))
+        return torch.atan(self._floating(self.run(e.args[0])))
 
     def _sin(self, e):
-        return torch.sin(self.run(e.args[0]).to(torch.float64))
+        return torch.sin(self._floating(self.run(e.args[0])))
 
     def _cos(self, e):
-        return torch.cos(self.run(e.args[0]).to(torch.float64))
+        return torch.cos(self._floating(self.run(e.args[0])))
 
     def _erf(self, e):
-        return torch.erf(self.run(e.args[0]).to(torch.float64))
+        return torch.erf(self._floating(self.run(e.args[0])))
 
     def _Float16(self, e):
-        return self.run(e.args[0]).to(torch.float32).to(torch.float16).to(torch.float64)
+        return self.run(e.args[0]).to(torch.float32).to(torch.float16).to(torch.float32)
 
     def _BFloat16(self, e):
-        return self.run(e.args[0]).to(torch.float32).to(torch.bfloat16).to(torch.float64)
+        return self.run(e.args[0]).to(torch.float32).to(torch.bfloat16).to(torch.float32)
 
     def _BitAnd(self, e):
         return torch.bitwise_and(*self._integers(e))
@@ -271,10 +281,10 @@ class _Evaluator:
         value = self._widened(tensor.to(self.device)[tuple(clamped)])
         return torch.where(inside, value, torch.zeros((), dtype=value.dtype, device=value.device))
 
-    @staticmethod
-    def _widened(value):
-        # as the kernel's loads read (_widen): arithmetic on the value never wraps or rounds
-        return value.to(torch.float64 if value.dtype.is_floating_point else torch.int64)
+    def _widened(self, value):
+        # as the kernel's loads read (_widen): integers as int64, so that arithmetic on them
+        # never wraps; float16 and bfloat16 as float32
+        return self._floating(value) if value.dtype.is_floating_point else value.to(torch.int64)
 
     _LoadInt = _LoadFloat = _LoadBool = _load
 

@@ -599,9 +599,10 @@ def doubtful_indices(exprs) -> tuple:
 
 @dag.identity_cache(maxsize=512)
 def _doubtful(exprs: tuple) -> tuple:
-    # cached: a call with a block map asks on every call, and sympy's is_nonnegative is slow
+    # cached: a call with a block map asks on every call, and sympy's is_nonnegative is slow;
+    # not asked where it is wrong (dag.misleads_sympy: floor(2/(q_idx + kv_idx + 1) - 0.5) is -1)
     return tuple(i for e in exprs if e is not None for load in dag.atoms(e, *LOADS) for i in load.args[1:]
-                 if not i.is_nonnegative)
+                 if dag.misleads_sympy(i) or not i.is_nonnegative)
 
 
 def indices_nonnegative(exprs, tensors, values: dict, extents: dict) -> bool:

@@ -14,7 +14,15 @@ text of random expressions as Python and compares it with maskc's dense evaluati
 - `//` and `%` follow Python (floor, divisor's sign). When sympy can prove the dividend
   nonnegative and the divisor a positive literal, the plain operators agree with Python
   and are printed; otherwise the helpers `_floordiv` / `_mod` / `_ceildiv` of the template.
-- Integer-valued true division stays true division (`/` of a Rational prints a float).
+- What is an integer is sympy's verdict, or where sympy cannot tell, the tracer's dtype
+  (`maskc.trace.proxy.integral`): floor(q_idx / p0) is an integer to torch, while sympy
+  allows p0 = 0. floor and ceil of a float print as tl.floor / tl.ceil, a float to Triton;
+  where Triton needs an integer (a pointer offset, `//`, `&`) it is converted to int64, the
+  `.long()` torch needed there and the trace keeps no node for.
+- Integer-valued true division stays true division (`/` of a Rational prints a float). A
+  product with non-literal divisors is one division, as torch's x / d: of index arithmetic,
+  float32 and correctly rounded (`tl.math.div_rn`); of a score or captured float element by
+  integers, `/` in its dtype (`_division`).
 - Captured-tensor loads count a negative index from the end (torch's t[-1]), are masked to
   the tensor's bounds (an index still out of range reads 0) and widened where they are read,
   by the template's `_widen`: float16/bfloat16 to float32, int8/int16/uint8 (and bool) to
@@ -34,6 +42,8 @@ text of random expressions as Python and compares it with maskc's dense evaluati
   `_rshift`, in int64 with torch's rule for shift counts past the width (0, or the sign);
   Trunc (`.long()`) converts to int64, rounding toward zero.
 - A float cast to float16 or bfloat16 inside a mod is rounded and read back (`_rounded`).
+- A condition free of q_idx and kv_idx, which may be 0-d, is compared with 0 where `&`, `|`
+  or `^` join it to others (`_condition`: Triton's interpreter).
 - sign(0) = 0 (torch.sign); Heaviside(x, h0) takes the value h0 at 0 (sympy's argument).
   DiracDelta and Derivative are refused with the reason: maskc differentiates score mods
   itself (render.score_derivative), where steps have derivative 0 as in torch.
@@ -57,7 +67,9 @@ from typing import NamedTuple
 import sympy
 from sympy.printing.codeprinter import CodePrinter
 
-from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE
+from maskc.trace import dag
+from maskc.trace.proxy import integral
+from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE, LoadFloat
 
 _NAMES = {B: "off_b", H: "off_h", Q_IDX: "q_idx", KV_IDX: "kv_idx", SCORE: "score"}
 _FLOAT_POSITIONS = {Q_IDX: "q_idx_f", KV_IDX: "kv_idx_f"}
@@ -275,7 +287,7 @@ class TritonPrinter(CodePrinter):
 
     # -- arithmetic ---------------------------------------------------------------------------
     def _print_Add(self, e):
-        floats = not e.is_integer
+        floats = not _integer(e)
         first, *rest = e.args
         text = self._factor(first, floats).operand(_Prec.ADD)
         for a in rest:
@@ -291,17 +303,46 @@ class TritonPrinter(CodePrinter):
         if a.is_Number and a.is_negative:
             return True, self._text(-a)
         if a.is_Mul and a.args[0].is_Number and a.args[0].is_negative:
+            quotient = self._division(a.args[1:] if a.args[0] is sympy.S.NegativeOne else (-a.args[0], *a.args[1:]))
+            if quotient is not None:
+                return True, quotient
             coefficient = [] if a.args[0] is sympy.S.NegativeOne else [self._text(-a.args[0])]
-            return True, _join(coefficient + [self._factor(f, floats or not a.is_integer) for f in a.args[1:]], "*",
+            return True, _join(coefficient + [self._factor(f, floats or not _integer(a)) for f in a.args[1:]], "*",
                                _Prec.MUL)
         return False, self._factor(a, floats)
 
     def _print_Mul(self, e):
-        floats = not e.is_integer
+        quotient = self._division(e.args)
+        if quotient is not None:
+            return quotient
+        floats = not _integer(e)
         if e.args[0] is sympy.S.NegativeOne:  # -x * y rather than -1 * x * y
             first, *rest = [self._factor(a, floats) for a in e.args[1:]]
             return _join([_Text(f"-{first.operand(_Prec.UNARY)}", _Prec.UNARY), *rest], "*", _Prec.MUL)
         return _join([self._factor(a, floats) for a in e.args], "*", _Prec.MUL)
+
+    def _division(self, factors) -> _Text | None:
+        """The product of `factors` as one true division where some are divisors (sympy's x / d
+        is x * d**-1), as torch divides: once, where x * (1.0 / d) rounds twice
+        (kv_idx / (q_idx + 1) came out 0.99999994 at kv_idx = q_idx + 1 = 41, and a mask dropped
+        that pair) and takes 1.0 / d in float32 beside a float64 score. Index arithmetic divides in
+        float32, as torch's does whatever q's dtype, correctly rounded (tl.math.div_rn: a GPU's
+        float32 `/` is an approximation within 2 ulp); a quotient that reads the score or a
+        captured float element divides with `/` in its dtype (div_rn takes float32 only), or,
+        by a float divisor (softcap's score / cap), is None: that reciprocal keeps its own
+        dtype, and the product is within a score's rounding of the quotient."""
+        divisors = [f.base ** -f.exp for f in factors if _reciprocal(f)]
+        if not divisors:
+            return None
+        numerator = sympy.Mul(*[f for f in factors if not _reciprocal(f)], evaluate=False)
+        denominator = sympy.Mul(*divisors, evaluate=False)
+        both = sympy.Tuple(numerator, denominator)
+        if not dag.atoms(both, LoadFloat) and SCORE not in dag.free_symbols(both):
+            return _atom(f"tl.math.div_rn({self._float(numerator).text}, {self._float(denominator).text})")
+        if not all(map(_integer, divisors)):
+            return None
+        top = _literal("1.0") if numerator == 1 else self._factor(numerator, True)
+        return _join([top, self._factor(denominator, True)], "/", _Prec.MUL)
 
     def _factor(self, a, floats) -> _Text:
         """A term of a sum or a factor of a product: over the float positions where the sum or
@@ -329,7 +370,7 @@ class TritonPrinter(CodePrinter):
     def _float(self, e) -> _Text:
         """Text of `e` as a float: an integer expression is converted, as torch's float
         functions convert integer tensors."""
-        if not e.is_integer:
+        if not _integer(e):
             return self._text(e)
         if e.is_Number:
             return _literal(repr(float(e)))
@@ -346,6 +387,8 @@ class TritonPrinter(CodePrinter):
             n = int(exp)
             if n == 0:
                 return _atom("1")
+            if n < 0 and _integer(base):  # 1 / d of an integer d: torch's true division of integers
+                return self._division((e,))
             product = _join([self._text(base)] * abs(n), "*", _Prec.MUL)
             return product if n > 0 else _Text(f"1.0 / {product.operand(_Prec.MUL + 1)}", _Prec.MUL)
         if exp.is_Number and float(exp) == 0.5:
@@ -359,32 +402,47 @@ class TritonPrinter(CodePrinter):
         return _atom(f"tl.exp({self._float(exp).operand(_Prec.MUL)} * tl.log({self._float(base).text}))")
 
     def _print_floor(self, e):
-        num, den = _quotient(e.args[0])
-        if den == 1:
-            return _atom(f"tl.floor({self._print(e.args[0])})")
-        if not (num.is_integer and den.is_integer):
-            return _atom(f"tl.floor({self._binary(num, '/', den, _Prec.MUL).text})")
-        if num.is_nonnegative and den.is_Integer and den > 0:
-            return self._binary(num, "//", den, _Prec.MUL)
-        return self._helper("_floordiv", self._print(num), self._print(den))
+        return self._rounding(e, "tl.floor") or self._integer_division("//", "_floordiv", *_quotient(e.args[0]))
 
     def _print_ceiling(self, e):
+        return self._rounding(e, "tl.ceil") or self._integer_division(None, "_ceildiv", *_quotient(e.args[0]))
+
+    def _rounding(self, e, fn: str) -> _Text | None:
+        """floor or ceiling `e` as `fn` of a float, or of an integer sympy cannot call one (floor
+        of floor(q_idx / p0): p0 may be 0) as that integer; None for a quotient of integers."""
         num, den = _quotient(e.args[0])
-        if den == 1:
-            return _atom(f"tl.ceil({self._print(e.args[0])})")
-        if not (num.is_integer and den.is_integer):
-            return _atom(f"tl.ceil({self._binary(num, '/', den, _Prec.MUL).text})")
-        return self._helper("_ceildiv", self._print(num), self._print(den))
+        if not _float_rounding(e):
+            return self._text(e.args[0]) if den == 1 else None
+        argument = self._text(e.args[0]) if den == 1 else self._binary(num, "/", den, _Prec.MUL)
+        return _atom(f"{fn}({argument.text})")
+
+    def _integer_division(self, operator: str | None, helper: str, num, den) -> _Text:
+        """num / den rounded by `helper` (the template's, with Python's semantics), or by the plain
+        `operator` where it agrees: a nonnegative dividend, a positive literal divisor."""
+        num_text, den_text = self._integer_text(num), self._integer_text(den)
+        if operator and _nonnegative(num) and den.is_Integer and den > 0:
+            return _join([num_text, den_text], operator, _Prec.MUL)
+        return self._helper(helper, num_text.text, den_text.text)
+
+    def _integer_text(self, e) -> _Text:
+        """Text of integer `e` where Triton needs an integer (a pointer offset, `//`, `&`):
+        converted to int64 where it is printed over tl.floor or tl.ceil of a float, which Triton
+        holds as a float. torch needs `.long()` there, which the trace keeps no node for: it
+        converts a value already whole."""
+        text = self._text(e)
+        if not any(map(_float_rounding, dag.atoms(e, sympy.floor, sympy.ceiling))):
+            return text
+        return _atom(f"{_attribute_of(text)}.to(tl.int64)")
 
     def _print_Mod(self, e):
         a, m = e.args
-        if not (a.is_integer and m.is_integer):
+        if not (_integer(a) and _integer(m)):
             if m.is_Rational:  # exact: floor of a rational quotient prints integer division
                 floor = self._print_floor(sympy.floor(a / m, evaluate=False))
             else:
                 floor = _atom(f"tl.floor({self._binary(a, '/', m, _Prec.MUL).text})")
             return _join([self._text(a), _join([self._text(m), floor], "*", _Prec.MUL)], "-", _Prec.ADD)
-        if a.is_nonnegative and m.is_Integer and m > 0:
+        if _nonnegative(a) and m.is_Integer and m > 0:
             return self._binary(a, "%", m, _Prec.MUL)
         return self._helper("_mod", self._print(a), self._print(m))
 
@@ -462,13 +520,13 @@ class TritonPrinter(CodePrinter):
 
     # -- integer operations (maskc/trace/symbols.py) ------------------------------------------
     def _print_BitAnd(self, e):
-        return self._binary(e.args[0], "&", e.args[1], _Prec.AND)
+        return _join([self._integer_text(a) for a in e.args], "&", _Prec.AND)
 
     def _print_BitOr(self, e):
-        return self._binary(e.args[0], "|", e.args[1], _Prec.OR)
+        return _join([self._integer_text(a) for a in e.args], "|", _Prec.OR)
 
     def _print_BitXor(self, e):
-        return self._binary(e.args[0], "^", e.args[1], _Prec.XOR)
+        return _join([self._integer_text(a) for a in e.args], "^", _Prec.XOR)
 
     def _print_LeftShift(self, e):
         return self._helper("_lshift", self._print(e.args[0]), self._print(e.args[1]))
@@ -480,10 +538,10 @@ class TritonPrinter(CodePrinter):
         if e.args[0].is_Number:
             return _literal(str(int(e.args[0])))
         num, den = _quotient(e.args[0])
-        if den != 1 and num.is_integer and den.is_integer:
+        if den != 1 and _integer(num) and _integer(den):
             # an integer quotient toward zero, exactly: sympy writes (q - kv) / 3 as q/3 - kv/3,
             # whose float value can round below the integer it equals
-            return self._helper("_truncdiv", self._print(num), self._print(den))
+            return self._integer_division(None, "_truncdiv", num, den)
         return _atom(f"{_attribute_of(self._text(e.args[0]))}.to(tl.int64)")
 
     # -- logic --------------------------------------------------------------------------------
@@ -511,13 +569,24 @@ class TritonPrinter(CodePrinter):
         return self._relation(e, "!=")
 
     def _print_And(self, e):
-        return _join([self._text(a) for a in e.args], "&", _Prec.AND)
+        return _join([self._condition(a) for a in e.args], "&", _Prec.AND)
 
     def _print_Or(self, e):
-        return _join([self._text(a) for a in e.args], "|", _Prec.OR)
+        return _join([self._condition(a) for a in e.args], "|", _Prec.OR)
 
     def _print_Xor(self, e):
-        return _join([self._text(a) for a in e.args], "^", _Prec.XOR)
+        return _join([self._condition(a) for a in e.args], "^", _Prec.XOR)
+
+    def _condition(self, a) -> _Text:
+        """An operand of `&`, `|` or `^`. One free of q_idx and kv_idx may be 0-d (a comparison of
+        a captured parameter or element) and is compared with 0: Triton's interpreter broadcasts
+        a 0-d comparison of floats as a block of floats, which numpy's bitwise operations refuse
+        beside booleans ("ufunc 'bitwise_xor' not supported"), and `!= 0` compares it as an
+        integer, which it broadcasts as integers. Compiled Triton takes either."""
+        text = self._text(a)
+        if dag.free_symbols(a) & {Q_IDX, KV_IDX}:
+            return text
+        return _Text(f"{text.operand(_Prec.COMPARE + 1)} != 0", _Prec.COMPARE)
 
     def _print_Not(self, e):
         return _Text(f"~{self._text(e.args[0]).operand(_Prec.UNARY)}", _Prec.UNARY)
@@ -545,8 +614,8 @@ class TritonPrinter(CodePrinter):
         slot = int(load.args[0])
         index = []
         for d, i in enumerate(load.args[1:]):
-            text = self._text(i)
-            if self.negative_indices and not i.is_nonnegative:
+            text = self._integer_text(i)
+            if self.negative_indices and not _nonnegative(i):
                 at = text.operand(_Prec.COMPARE + 1)
                 text = _atom(f"tl.where({at} < 0, {text.operand(_Prec.ADD)} + T{slot}_size{d}, {text.text})")
             index.append(text)
@@ -562,6 +631,31 @@ class TritonPrinter(CodePrinter):
         if len(load.args) == 1:
             return "0", "1"
         return self._element(load, name)
+
+
+def _integer(e) -> bool:
+    """Whether `e` is an integer: as sympy knows it, or as the tracer typed it where sympy
+    cannot tell (torch's floor(q_idx / p0) is an integer; sympy must allow p0 = 0)."""
+    return bool(e.is_integer) or integral(e)
+
+
+def _nonnegative(e) -> bool:
+    """Whether sympy proves `e` nonnegative, where its proof can be trusted (dag.misleads_sympy:
+    it calls floor(2/(q_idx + kv_idx + 1) - 1/2) nonnegative, which is -1 from q_idx + kv_idx = 4)."""
+    return bool(e.is_nonnegative) and not dag.misleads_sympy(e)
+
+
+def _reciprocal(e) -> bool:
+    """Whether `e` is a divisor's factor of a product: d**-n, n a literal from 1 to 64 (the
+    powers `_print_Pow` multiplies out), d not a number (a number's reciprocal is a literal)."""
+    return e.is_Pow and e.exp.is_Integer and -64 <= e.exp < 0 and not e.base.is_number
+
+
+def _float_rounding(e) -> bool:
+    """Whether floor or ceiling `e` is printed as tl.floor or tl.ceil of a float, a float to
+    Triton though an integer to sympy and the tracer: its argument is no quotient of integers."""
+    num, den = _quotient(e.args[0])
+    return not (_integer(num) and _integer(den))
 
 
 def _position_sum(e) -> bool:

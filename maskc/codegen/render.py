@@ -18,6 +18,7 @@ from maskc.codegen.printer import TritonPrinter, describe, tensor_args
 from maskc.codegen.separable import separate
 from maskc.codegen.source import KernelSource
 from maskc.errors import MaskcError
+from maskc.trace import dag
 from maskc.trace.symbols import INTEGER_OPS, KV_IDX, Q_IDX, ROUNDED, SCORE, LoadFloat
 
 TEMPLATES = {"fwd": "attention_fwd.py.jinja", "bwd": "attention_bwd.py.jinja", "dec": "attention_decode.py.jinja",
@@ -117,6 +118,14 @@ def _hooks(spec: KernelSource) -> dict:
     printed = iter(printer.block(scores, "_score"))
     for hook, expr in (("score", spec.score_expr), ("score_grad", score_grad)):
         _name(hooks, hook, next(printed) if expr is not None else None)
+    if spec.score_expr is not None and not _tile_shaped(spec.score_expr):
+        # A score that reads neither the score nor both positions (a constant -inf, a per-head
+        # or per-row bias) prints a 0-d or one-axis value, where the template's row max and the
+        # backward's dot need the tile. tl.where over `score == score` (true wherever it is a
+        # number, and either way the same value) broadcasts it to the score's shape, in Triton
+        # and Gluon alike (tl.full would need Gluon's layout).
+        value = hooks["score_expr"]
+        hooks["score_expr"] = f"tl.where(score == score, {value}, {value})"
     load_printed = list(printed)
     # The forwards and the Gluon dK/dV kernel use the split (KernelSource.split_score). float64
     # runs exist for exact checks (gradcheck): there the score mod runs as written, since the
@@ -153,6 +162,13 @@ def _hooks(spec: KernelSource) -> dict:
                           for arg in (f"G{slot}", *(f"G{slot}_stride{d}" for d in range(spec.tensor_ranks[slot])))]
     hooks["helpers"] = sorted(printer.helpers)  # the file defines only these
     return hooks
+
+
+def _tile_shaped(expr) -> bool:
+    """Whether `expr` has the shape of the kernel's tile of scores: it reads the score, or both
+    q_idx and kv_idx (a row and a column broadcast to a tile, in either kernel's layout)."""
+    read = dag.free_symbols(expr)
+    return SCORE in read or {Q_IDX, KV_IDX} <= read
 
 
 def _name(hooks: dict, hook: str, printed) -> None:
@@ -273,7 +289,9 @@ class _Derivative:
         depends on score, so that clamp passes the gradient at its bounds as torch's does."""
         args = sorted(e.args, key=lambda a: self(a) == 0)
         better = sympy.GreaterThan if isinstance(e, sympy.Max) else sympy.LessThan
-        branches = [(self(a), sympy.And(*[better(a, b) for b in args if b is not a])) for a in args[:-1]]
+        # unevaluated: sympy's verdict on a >= b can be wrong (dag.misleads_sympy)
+        branches = [(self(a), sympy.And(*[better(a, b, evaluate=False) for b in args if b is not a]))
+                    for a in args[:-1]]
         return _piecewise([*branches, (self(args[-1]), sympy.true)])
 
 

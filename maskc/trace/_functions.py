@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from sympy.core.cache import clear_cache
 
-from maskc.trace import _context
+from maskc.trace import _context, dag
 from maskc.trace import proxy as P
 from maskc.trace.canonical import conjunction, disjunction, negation, parity, piecewise
 from maskc.trace.symbols import SCORE, BFloat16, Float16, Trunc
@@ -39,15 +39,15 @@ def extreme(a, b, fn) -> P.Proxy:
     pa, pb = P.wrap(a), P.wrap(b)
     if pa.is_bool and pb.is_bool:
         return P.Proxy((disjunction if fn is sympy.Max else conjunction)(pa.expr, pb.expr))
-    return P.Proxy(fn(P.number(pa), P.number(pb)))
+    return P.Proxy(dag.make(fn, P.number(pa), P.number(pb)))
 
 
 def clamp(x, min=None, max=None) -> P.Proxy:
     e = P.number(P.wrap(x))
     if min is not None:
-        e = sympy.Max(e, P.number(P.wrap(min)))
+        e = dag.make(sympy.Max, e, P.number(P.wrap(min)))
     if max is not None:
-        e = sympy.Min(e, P.number(P.wrap(max)))
+        e = dag.make(sympy.Min, e, P.number(P.wrap(max)))
     return P.Proxy(e)
 
 
@@ -150,12 +150,13 @@ def _gelu(x, approximate="none"):
 def _softplus(x, beta=1.0, threshold=20.0):
     e = P.number(P.wrap(x))
     # above the threshold torch returns x itself, as log(1 + exp(beta x)) / beta would overflow
-    return P.Proxy(piecewise((e, e * beta > threshold), (sympy.log(1 + sympy.exp(e * beta)) / beta, sympy.true)))
+    return P.Proxy(piecewise((e, P.relation(sympy.Gt, e * beta, threshold)),
+                             (sympy.log(1 + sympy.exp(e * beta)) / beta, sympy.true)))
 
 
 def _elu(x, alpha=1.0, inplace=False):
     e = P.number(P.wrap(x))
-    return P.Proxy(piecewise((e, e > 0), (alpha * (sympy.exp(e) - 1), sympy.true)))
+    return P.Proxy(piecewise((e, P.relation(sympy.Gt, e, 0)), (alpha * (sympy.exp(e) - 1), sympy.true)))
 
 
 # torch's F.selu constants (scale · elu(x, alpha))
@@ -168,7 +169,7 @@ def _selu(x, inplace=False):
 
 def _leaky_relu(x, negative_slope=0.01, inplace=False):
     e = P.number(P.wrap(x))
-    return P.Proxy(sympy.Max(e, 0) + negative_slope * sympy.Min(e, 0))
+    return P.Proxy(dag.make(sympy.Max, e, 0) + negative_slope * dag.make(sympy.Min, e, 0))
 
 
 def _to(self, *args, dtype=None, **_options):
@@ -246,12 +247,13 @@ P.register(lambda a, b: P.arith(a, b, lambda x, y: x / y), torch.true_divide, T.
 P.register(lambda a, b: P.arith(a, b, P.floordiv), torch.floor_divide, T.floor_divide)
 P.register(lambda a, b: P.arith(a, b, P.mod), torch.remainder, T.remainder)
 P.register(lambda a, b: P.arith(a, b, fmod), torch.fmod, T.fmod)
-P.register(lambda a, b: P.arith(a, b, lambda x, y: x**y), torch.pow, T.pow, torch.float_power, T.float_power)
+P.register(lambda a, b: P.arith(a, b, P.power), torch.pow, T.pow, torch.float_power, T.float_power)
 P.register(lambda x: -P.wrap(x), torch.neg, torch.negative, T.neg, T.negative)
 P.register(lambda x: abs(P.wrap(x)), torch.abs, torch.absolute, T.abs, T.absolute)
-P.register(_unary(lambda e: e**2), torch.square, T.square)
+P.register(_unary(lambda e: P.power(e, 2)), torch.square, T.square)
 P.register(_unary(lambda e: 1 / e), torch.reciprocal, T.reciprocal)
-P.register(lambda x: P.wrap(x) if P.wrap(x).is_bool else P.unary(x, sympy.sign), torch.sign, torch.sgn, T.sign, T.sgn)
+P.register(lambda x: P.wrap(x) if P.wrap(x).is_bool else P.unary(x, lambda e: dag.make(sympy.sign, e)),
+           torch.sign, torch.sgn, T.sign, T.sgn)
 P.register(lambda a, b: extreme(a, b, sympy.Max), torch.maximum, T.maximum)
 P.register(lambda a, b: extreme(a, b, sympy.Min), torch.minimum, T.minimum)
 P.register(_extreme_or_reduction(sympy.Max, "maximum"), torch.max, T.max)
@@ -275,8 +277,8 @@ P.register(_unary(sympy.log), torch.log, T.log)
 P.register(_unary(lambda e: sympy.log(e, 2)), torch.log2, T.log2)
 P.register(_unary(lambda e: sympy.log(e, 10)), torch.log10, T.log10)
 P.register(_unary(lambda e: sympy.log(1 + e)), torch.log1p, T.log1p, *_special("log1p"))
-P.register(_unary(sympy.sqrt), torch.sqrt, T.sqrt)
-P.register(_unary(lambda e: 1 / sympy.sqrt(e)), torch.rsqrt, T.rsqrt)
+P.register(_unary(lambda e: P.power(e, sympy.Rational(1, 2))), torch.sqrt, T.sqrt)
+P.register(_unary(lambda e: P.power(e, sympy.Rational(-1, 2))), torch.rsqrt, T.rsqrt)
 P.register(_unary(sympy.sin), torch.sin, T.sin)
 P.register(_unary(sympy.cos), torch.cos, T.cos)
 # tan as written out: Triton has no tan, and sin/cos already print, analyse and differentiate
@@ -288,7 +290,7 @@ P.register(_unary(sympy.erf), torch.erf, T.erf, *_special("erf"))
 # of a tiny erfc(5) = 1.5e-12 is lost)
 P.register(_unary(lambda e: 1 - sympy.erf(e)), torch.erfc, T.erfc, *_special("erfc"))
 P.register(_unary(_sigmoid), torch.sigmoid, T.sigmoid, *_special("expit"))
-P.register(lambda x, inplace=False: P.unary(x, lambda e: sympy.Max(e, 0)), F.relu, torch.relu, T.relu)
+P.register(lambda x, inplace=False: P.unary(x, lambda e: dag.make(sympy.Max, e, 0)), F.relu, torch.relu, T.relu)
 P.register(lambda x, inplace=False: P.unary(x, lambda e: e * _sigmoid(e)), F.silu)
 P.register(_gelu, F.gelu)
 P.register(_softplus, F.softplus)

@@ -1,8 +1,10 @@
 """Canonical form of traced expressions, so equivalent spellings share one signature.
 
-Every comparison becomes `e >= 0`, `e > 0` (real e only), `Eq(e, 0)` or `Ne(e, 0)` with e
-expanded; integer strict inequalities become non-strict (`a > b` is `a - b - 1 >= 0`);
-the sign of e in Eq/Ne is chosen so that it cannot extract a minus sign. No relation holds
+Every comparison of exact values (integers, see `exact`) becomes `e >= 0`, `e > 0` (real e
+only), `Eq(e, 0)` or `Ne(e, 0)` with e expanded; integer strict inequalities become non-strict
+(`a > b` is `a - b - 1 >= 0`); the sign of e in Eq/Ne is chosen so that it cannot extract a
+minus sign. A comparison of values torch rounds keeps the arithmetic of its sides as written,
+turned round to >= or > (`_kept`): rearranged, it would round otherwise. No relation holds
 a Piecewise (a number-valued torch.where): the comparison is pushed into the branches,
 `where(c, a, b) >= x` becoming `(c & (a >= x)) | (~c & (b >= x))`. And/Or/Xor arguments are
 flat, free of duplicates and sorted as sympy sorts them.
@@ -13,14 +15,17 @@ each distinct node once, and Piecewise, And, Or and Xor are built without sympy'
 evaluation, which walks the whole tree of its arguments.
 """
 import math
+import operator
 
+import numpy
 import sympy
 from sympy.core.relational import Relational
 from sympy.functions.elementary.piecewise import ExprCondPair
 from sympy.logic.boolalg import And, Not, Or, Xor
 
 from maskc.trace import dag
-from maskc.trace.symbols import SCORE
+from maskc.trace.symbols import (SCORE, BitAnd, BitOr, BitXor, LeftShift, LoadBool, LoadInt, RightShift,
+                                 Trunc)
 
 _BOOLEAN_OPS = (And, Or, Xor, Not)
 
@@ -111,12 +116,37 @@ def parity(*args, order=None):
     return negation(out) if negate else out
 
 
-def _difference_form(rel_type, lhs, rhs):
-    """`rel_type(lhs, rhs)` as `d >= 0`, `d > 0`, `Eq(d, 0)` or `Ne(d, 0)` without expanding d."""
+_COMPARED = {sympy.GreaterThan: operator.ge, sympy.StrictGreaterThan: operator.gt, sympy.Equality: operator.eq,
+             sympy.Unequality: operator.ne}
+
+
+def _kept(rel_type, lhs, rhs):
+    """`rel_type(lhs, rhs)` of values torch rounds, in a form the kernel rounds as torch does:
+    turned round to >= or >, and as `lhs - rhs OP 0` only where that difference is one
+    subtraction of the two sides (IEEE subtraction has the sign of the exact difference: a - b
+    > 0 exactly when a > b). A side that is a sum stays apart, since sympy would merge the
+    difference into it, reordered, and float addition does not associate. Nothing is expanded,
+    and only comparisons of numbers (in float32, torch's dtype for them), of an infinity and of
+    a value with itself are decided: 0.1*score + 1e-8 > 0.1*score is not 1e-8 > 0."""
     if rel_type in (sympy.LessThan, sympy.StrictLessThan):
         lhs, rhs = rhs, lhs
         rel_type = sympy.GreaterThan if rel_type is sympy.LessThan else sympy.StrictGreaterThan
-    return rel_type(lhs - rhs, 0, evaluate=False)
+    if lhs.is_Number and rhs.is_Number:
+        return sympy.true if _COMPARED[rel_type](numpy.float32(lhs), numpy.float32(rhs)) else sympy.false
+    diff = lhs - rhs
+    if diff in (sympy.oo, -sympy.oo, 0):  # an infinity beside a finite value, or a value beside itself
+        return rel_type(diff, 0)
+    if lhs.is_Add or rhs.is_Add:
+        subtracts_once = rhs == 0
+    else:  # not merged into one term (0.3*score - 0.1*score is 0.2*score, which rounds otherwise)
+        subtracts_once = len(sympy.Add.make_args(diff)) == (lhs != 0) + (rhs != 0)
+    if subtracts_once:
+        if rel_type in (sympy.Equality, sympy.Unequality) and diff.could_extract_minus_sign():
+            diff = -diff
+        return rel_type(diff, 0, evaluate=False)
+    if rel_type in (sympy.Equality, sympy.Unequality):
+        lhs, rhs = sorted((lhs, rhs), key=sympy.default_sort_key)
+    return rel_type(lhs, rhs, evaluate=False)
 
 
 # -- canonical form ---------------------------------------------------------------------------
@@ -174,7 +204,7 @@ class _Canonicalizer:
         elif all(new is old for new, old in zip(args, e.args)):
             return e
         else:
-            rebuilt = e.func(*args)
+            rebuilt = dag.make(e.func, *args)
         if isinstance(rebuilt, Relational):
             return self.run(rebuilt)  # ~(a >= b) is a < b: normalise that too
         return rebuilt
@@ -197,7 +227,9 @@ class _Canonicalizer:
             # A condition on the score is printed, never analysed (block maps read masks only),
             # so it stays as written: split over the branches of a where-nest on the score, it
             # would be 2**depth relations, one per distinct affine function of the score.
-            return _difference_form(type(rel), lhs, rhs)
+            return _kept(type(rel), lhs, rhs)
+        if not (exact(lhs) and exact(rhs)):
+            return _kept(type(rel), lhs, rhs)
         if isinstance(rel, (sympy.GreaterThan, sympy.StrictGreaterThan)):
             diff = _cleared(sympy.expand(lhs - rhs))
         elif isinstance(rel, (sympy.LessThan, sympy.StrictLessThan)):
@@ -253,7 +285,7 @@ class _Canonicalizer:
             if isinstance(e, sympy.Piecewise):
                 out = piecewise(*[(self._replace(p.expr, old, new), p.cond) for p in e.args])
             else:
-                out = e.func(*[self._replace(a, old, new) for a in e.args])
+                out = dag.make(e.func, *[self._replace(a, old, new) for a in e.args])
             out = self.replaced[key] = self._rep(out)
         return out
 
@@ -294,6 +326,43 @@ def _cleared(diff):
     small = all(abs(term.as_coeff_Mul()[0]) <= _CLEARED_LIMIT for term in sympy.Add.make_args(scaled)
                 if not term.is_Number)
     return scaled if small and scaled.is_integer else diff
+
+
+# integers of integers, like the integer operations of symbols.py, and a torch.where of them
+# under conditions on them; floor, ceiling, trunc and % take integer quotients too
+# (q_idx // p0), which the printer divides in integers
+_EXACT_OF_EXACT = (sympy.Add, sympy.Mul, sympy.Min, sympy.Max, sympy.Abs, sympy.sign, LoadInt, LoadBool, BitAnd,
+                   BitOr, BitXor, LeftShift, RightShift, sympy.Piecewise, ExprCondPair, Relational, And, Or, Not,
+                   Xor, sympy.logic.boolalg.BooleanAtom)
+_OF_QUOTIENTS = (sympy.floor, sympy.ceiling, sympy.Mod, Trunc)
+
+
+@dag.identity_cache(maxsize=1 << 16)
+def exact(e) -> bool:
+    """Whether torch computes `e` without rounding: integer arithmetic, with the rationals that
+    proxy.exact reads float literals as, and integer quotients under floor, ceiling, trunc and
+    %. Only a comparison of such values may move terms across (expanded, cleared) and be
+    decided by sympy: (q_idx - kv_idx) * 0.1 rounds otherwise than 0.1*q_idx - 0.1*kv_idx,
+    and sympy's sign of a reciprocal of positions is wrong (dag.misleads_sympy)."""
+    if e.is_Number:
+        return e.is_Rational or e in (sympy.oo, -sympy.oo)
+    if e.is_Symbol:
+        return bool(e.is_integer)
+    if e.is_Pow:
+        return e.exp.is_Integer and e.exp >= 0 and exact(e.base)
+    if isinstance(e, _OF_QUOTIENTS):
+        return all(_exact_quotient(a) for a in e.args)
+    return isinstance(e, _EXACT_OF_EXACT) and all(exact(a) for a in e.args)
+
+
+@dag.identity_cache(maxsize=1 << 16)
+def _exact_quotient(e) -> bool:
+    """Whether `e` is exact but for divisions by exact values that read no position."""
+    if e.is_Pow and e.exp.is_Integer and e.exp < 0:
+        return exact(e.base) and not dag.misleads_sympy(e)
+    if e.is_Add or e.is_Mul:
+        return all(_exact_quotient(a) for a in e.args)
+    return exact(e)
 
 
 def _tree_size(e):

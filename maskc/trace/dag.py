@@ -11,10 +11,12 @@ from __future__ import annotations
 import functools
 
 import sympy
+from sympy.core.relational import Relational
 from sympy.functions.elementary.piecewise import ExprCondPair
 from sympy.logic.boolalg import And, Not, Or, Xor
 
 from maskc._slots import Slots
+from maskc.trace.symbols import INDEX_SYMBOLS
 
 
 def postorder(expr) -> list:
@@ -56,14 +58,17 @@ def transform(expr, rule):
 def _rebuilt(node, args):
     """`node` with new arguments, as unevaluated as the tracer built it: boolean operators
     and Piecewise are made directly (evaluating them sorts and compares their arguments as
-    trees); arithmetic evaluates, as sympy would."""
+    trees), a comparison as canonical.py left it (it decides what may be decided); arithmetic
+    evaluates, as sympy would (see make)."""
     if isinstance(node, (And, Or, Xor)):
         out = sympy.Basic.__new__(type(node), *args)
         out._argset = frozenset(args)
         return out
     if isinstance(node, (Not, sympy.Piecewise, ExprCondPair)):
         return sympy.Basic.__new__(type(node), *args)
-    return node.func(*args)
+    if isinstance(node, Relational):
+        return type(node)(*args, evaluate=False)
+    return make(node.func, *args)
 
 
 def identity_cache(maxsize: int):
@@ -87,3 +92,40 @@ def identity_cache(maxsize: int):
             return result
         return cached
     return wrap
+
+
+# The nodes whose evaluation asks sympy the sign of an argument: Max(x, y) drops y where it
+# finds x - y >= 0, Abs(x) is x where it finds x >= 0 (and sqrt(x**2) is Abs(x)), a relation
+# folds to True or False.
+_SIGN_DECIDED = (sympy.Min, sympy.Max, sympy.Abs, sympy.sign, sympy.Heaviside, sympy.floor, sympy.ceiling,
+                 sympy.Mod, sympy.Pow, Relational)
+
+
+def make(func, *args):
+    """`func(*args)`, evaluated as sympy would, but left unevaluated where that evaluation
+    would decide a sign that sympy can get wrong (see misleads_sympy)."""
+    args = [sympy.sympify(a) for a in args]
+    if isinstance(func, type) and issubclass(func, _SIGN_DECIDED) and any(misleads_sympy(a) for a in args):
+        return func(*args, evaluate=False)
+    return func(*args)
+
+
+@identity_cache(maxsize=1 << 16)
+def misleads_sympy(expr) -> bool:
+    """Whether `expr` holds the reciprocal of a function of the positions, whose sign sympy
+    1.14 gets wrong: its sign rule (exprtools._monotonic_sign) puts the least positions into
+    1/(q_idx + kv_idx + 1) as if that gave the value nearest 0, so it finds
+    1/(q_idx + kv_idx + 1) - 1/2 >= 0, Max(that, 0) equal to that, and
+    floor(1/(q_idx + kv_idx + 1) - 0.5) equal to 0. A reciprocal of numbers or parameters
+    alone (q_idx // p0) misleads nothing: an unsigned parameter has no least value to put in."""
+    if expr.is_Pow and expr.exp.is_negative and _reads_positions(expr.base):
+        return True
+    return any(misleads_sympy(a) for a in expr.args)
+
+
+@identity_cache(maxsize=1 << 16)
+def _reads_positions(e) -> bool:
+    return e in _POSITIONS if e.is_Symbol else any(_reads_positions(a) for a in e.args)
+
+
+_POSITIONS = frozenset(INDEX_SYMBOLS)

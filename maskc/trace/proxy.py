@@ -98,10 +98,10 @@ class Proxy:
         return self // other, self % other
 
     def __pow__(self, other):
-        return arith(self, other, lambda a, b: a**b)
+        return arith(self, other, power)
 
     def __rpow__(self, other):
-        return arith(other, self, lambda a, b: a**b)
+        return arith(other, self, power)
 
     def __neg__(self):
         if self.is_bool:
@@ -112,7 +112,7 @@ class Proxy:
         return self
 
     def __abs__(self):
-        return self if self.is_bool else Proxy(sympy.Abs(self.expr))
+        return self if self.is_bool else Proxy(dag.make(sympy.Abs, self.expr))
 
     # -- rounding, as math.floor/ceil/trunc and round() ask for it ---------------------------
     def __floor__(self):
@@ -378,17 +378,21 @@ def exact(x):
         if float(r) != float(f) or abs(r.numerator) > _SPELLED_LIMIT:
             return x
         spelled[f] = sympy.Rational(r.numerator, r.denominator)
-    rational = x.xreplace(spelled)
+    rational = dag.transform(x, lambda e: spelled.get(e, e))  # xreplace would evaluate Max, Abs, ... (dag.make)
     numerator, denominator = rational.as_numer_denom()
     return rational if denominator.is_Integer and integral(numerator) else x
 
 
+def power(a, b):
+    return dag.make(sympy.Pow, a, b)  # sympy writes sqrt(x**2) as Abs(x), which asks x's sign
+
+
 def floor(x):
-    return sympy.floor(exact(x))
+    return dag.make(sympy.floor, exact(x))
 
 
 def ceiling(x):
-    return sympy.ceiling(exact(x))
+    return dag.make(sympy.ceiling, exact(x))
 
 
 def floordiv(a, b):
@@ -404,7 +408,7 @@ def float32_exact(m) -> bool:
 
 
 def mod(a, b):
-    return sympy.Mod(exact(a), exact(b)) if float32_exact(b) else sympy.Mod(a, b)
+    return dag.make(sympy.Mod, exact(a), exact(b)) if float32_exact(b) else dag.make(sympy.Mod, a, b)
 
 
 def trunc(x):
@@ -423,10 +427,11 @@ def round_half_even(x, decimals: int = 0) -> Proxy:
     if integral(e) and decimals >= 0:
         return Proxy(e)
     scaled = e * sympy.Integer(10) ** decimals
-    low = sympy.floor(scaled)
+    low = dag.make(sympy.floor, scaled)
     rest = scaled - low
     half = sympy.Rational(1, 2)
-    rounded = piecewise((low, rest < half), (low + 1, rest > half), (low + sympy.Mod(low, 2), sympy.true))
+    rounded = piecewise((low, relation(sympy.Lt, rest, half)), (low + 1, relation(sympy.Gt, rest, half)),
+                        (low + dag.make(sympy.Mod, low, 2), sympy.true))
     return Proxy(rounded / sympy.Integer(10) ** decimals)
 
 
@@ -463,9 +468,9 @@ def bitwise(a, b, op: str) -> Proxy:
         if op == "^" and m == -1:
             return Proxy(-x - 1)
         if op == "&" and m > 0 and (m + 1) & m == 0:
-            return Proxy(sympy.Mod(x, m + 1))  # x & (2**k - 1): the low k bits, in two's complement too
+            return Proxy(dag.make(sympy.Mod, x, m + 1))  # x & (2**k - 1): the low k bits, in two's complement too
         if op == "&" and m < 0 and -m & (-m - 1) == 0:
-            return Proxy(x - sympy.Mod(x, -m))  # x & -(2**k): the low k bits cleared
+            return Proxy(x - dag.make(sympy.Mod, x, -m))  # x & -(2**k): the low k bits cleared
     return Proxy({"&": BitAnd, "|": BitOr, "^": BitXor}[op](x, y))
 
 
@@ -475,7 +480,7 @@ def shift(a, b, op: str) -> Proxy:
     if isinstance(s, sympy.Integer):
         if s < 0:
             _context.fail(f"shifts by the negative amount {s}", "shift by a nonnegative amount")
-        return Proxy(x * 2**s if op == "<<" else sympy.floor(x / 2**s))
+        return Proxy(x * 2**s if op == "<<" else dag.make(sympy.floor, x / 2**s))
     return Proxy((LeftShift if op == "<<" else RightShift)(x, s))
 
 

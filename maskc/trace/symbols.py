@@ -1,4 +1,6 @@
 """The sympy vocabulary of traced expressions: index symbols, parameters and tensor loads."""
+import operator
+
 import sympy
 
 # Index arguments are nonnegative integers; declaring it lets sympy fold `q_idx >= 0` to True.
@@ -66,6 +68,17 @@ def is_load(expr) -> bool:
 # The tracer builds them, the printer prints them, and the interval and dense evaluators give
 # them ranges and values; each is an integer of its integer arguments, with torch's semantics.
 class _IntegerOp(sympy.Function):
+    @classmethod
+    def eval(cls, *args):
+        # Of numbers, the number: a torch.where's branch put in for its argument
+        # (canonical._split) must leave something sympy's Min and Max can compare, not an
+        # unevaluated Trunc(3/2) that they refuse.
+        if all(isinstance(a, sympy.Integer) for a in args):
+            value = cls._of_integers(*map(int, args))
+            if value is not None and -2**63 <= value < 2**63:
+                return sympy.Integer(value)
+        return None
+
     def _eval_is_integer(self):
         return True
 
@@ -77,18 +90,21 @@ class BitAnd(_IntegerOp):
     """`a & b` of integers (torch.bitwise_and)."""
 
     nargs = 2
+    _of_integers = staticmethod(operator.and_)
 
 
 class BitOr(_IntegerOp):
     """`a | b` of integers (torch.bitwise_or)."""
 
     nargs = 2
+    _of_integers = staticmethod(operator.or_)
 
 
 class BitXor(_IntegerOp):
     """`a ^ b` of integers (torch.bitwise_xor)."""
 
     nargs = 2
+    _of_integers = staticmethod(operator.xor)
 
 
 class LeftShift(_IntegerOp):
@@ -96,17 +112,31 @@ class LeftShift(_IntegerOp):
 
     nargs = 2
 
+    @staticmethod
+    def _of_integers(a, b):
+        return a << b if 0 <= b < 64 else None  # torch gives 0 from 64 on
+
 
 class RightShift(_IntegerOp):
     """`a >> b` of integers: floor(a / 2**b), b >= 0 (a literal shift is traced as floor instead)."""
 
     nargs = 2
 
+    @staticmethod
+    def _of_integers(a, b):
+        return a >> b if b >= 0 else None
+
 
 class Trunc(_IntegerOp):
     """A float converted to an integer dtype (`.long()`, `.to(torch.int32)`): rounds toward zero."""
 
     nargs = 1
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_Number and x.is_finite:
+            return sympy.Integer(int(x))  # int() rounds toward zero, as proxy.trunc does
+        return None
 
 
 INTEGER_OPS = (BitAnd, BitOr, BitXor, LeftShift, RightShift, Trunc)
