@@ -23,8 +23,8 @@ A MaskcError is a clear refusal and passes; a case whose float64 reference is Na
 an operation that makes NaN) is skipped, its answer undefined. A wrong answer of a score mod is checked
 again: where the answer moves past the tolerance when torch runs the score mod in float32 (a
 rounded score crossing a step near the top of a row), its line says ILL and it is not counted as
-a failure. Prints one line per failure (seed, problem, error, the mods' source),
-then "N cases, F failures"; exits non-zero on a failure.
+a failure. Prints a line per run ("ok", or FAIL with the seed, problem, error and the mods' source),
+then "N cases, F failures"; exits non-zero on a failure. --minutes ends it early with the summary.
 --seeds replays failures. With --device cpu, shapes are tiny (8-80 tokens, D=16) and there is no
 Gluon run.
 """
@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import random
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -243,12 +245,19 @@ def main() -> int:
     parser.add_argument("--max-len", type=int, help="the longest q or kv length (default 3000; 80 on the CPU)")
     parser.add_argument("--grad-fraction", type=float, default=0.25, help="the share of cases with a backward")
     parser.add_argument("--no-gluon", action="store_true", help="the default kernel choice only")
+    parser.add_argument("--minutes", type=float, help="start no case after this long: the summary still prints "
+                                                       "(a case compiles its own kernels, 2-15 s on an H100)")
     args = parser.parse_args()
+    deadline = time.monotonic() + 60 * args.minutes if args.minutes else math.inf
     (shortest, longest), dims = SIZES[args.device]
     lengths = (min(shortest, args.max_len or longest), args.max_len or longest)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else range(args.start, args.start + args.cases)
     counts = {"ok": 0, "fail": 0, "refused": 0, "misfit": 0, "undefined": 0, "ill-conditioned": 0, "gluon runs": 0}
+    done = 0
     for seed in seeds:
+        if time.monotonic() > deadline:
+            break
+        done += 1
         c = case(seed, args.device, lengths, dims, args.grad_fraction)
         q, k, v = inputs(c, args.device)
         try:
@@ -265,13 +274,15 @@ def main() -> int:
             if verdict == "wrong":
                 verdict = "ill-conditioned" if ill_conditioned(c, q, k, v, want) else "fail"
             counts[verdict] += 1
+            if not problem:
+                print(f"ok    {c} {label}", flush=True)
             if problem:
                 mods = "; ".join(m.describe() for m in (c.score, c.mask) if m is not None)
                 tag = "ILL " if verdict == "ill-conditioned" else "FAIL"
                 print(f"{tag}  {c} {label}: {problem} | {mods}", flush=True)
         if args.device == "cuda":
             torch.cuda.empty_cache()  # a case's float64 reference at 3000² can hold gigabytes
-    print(f"{len(seeds)} cases, {counts['fail']} failures ({counts['ok']} runs agreed with the reference, "
+    print(f"{done} cases, {counts['fail']} failures ({counts['ok']} runs agreed with the reference, "
           f"{counts['refused']} were refused with a MaskcError, "
           f"{counts['undefined']} cases skipped with a NaN reference, {counts['ill-conditioned']} runs off an "
           f"ill-conditioned reference (ILL), {counts['gluon runs']} cases also under MASKC_GLUON=always, "
