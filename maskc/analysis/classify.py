@@ -176,6 +176,12 @@ def _error(e, evaluator, memo):
             error = _combined(e.is_Add, [_error(a, evaluator, memo) for a in e.args])
         elif e.is_Pow and e.exp.is_Integer and e.exp > 0:  # printed as a product
             error = _combined(False, [_error(e.base, evaluator, memo)] * int(e.exp))
+        elif e.is_Pow and e.exp.is_Number:  # a root or a reciprocal: its base's error times the steepest slope
+            x, x_error = evaluator.run(e.base), _error(e.base, evaluator, memo)[1]
+            lo, hi, a = x.lo.to(torch.float64) - x_error, x.hi.to(torch.float64) + x_error, float(e.exp)
+            slope = torch.where(lo > 0, abs(a) * torch.maximum(lo.clamp(min=1e-300) ** (a - 1), hi ** (a - 1)),
+                                math.inf)
+            error = torch.where(x_error == 0, 0.0, slope * x_error) + _ROUNDING * m
         elif isinstance(e, (sympy.Min, sympy.Max, sympy.Abs)):  # each passes on its arguments' errors
             error = functools.reduce(torch.maximum, [_error(a, evaluator, memo)[1] for a in e.args])
         elif type(e) in _SLOPES:  # an argument's error, grown by the function's steepest slope near it

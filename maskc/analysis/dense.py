@@ -21,6 +21,7 @@ from __future__ import annotations
 import sympy
 import torch
 
+from maskc.trace.proxy import quotient
 from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE
 
 
@@ -108,6 +109,9 @@ class _Evaluator:
         return out
 
     def _Mul(self, e):
+        found = quotient(e.args)
+        if found is not None:  # one true division, as torch and the kernel divide
+            return torch.true_divide(self.run(found[0]), self.run(found[1]))
         out = self.run(e.args[0])
         for a in e.args[1:]:
             out = out * self.run(a)

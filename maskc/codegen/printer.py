@@ -68,7 +68,7 @@ import sympy
 from sympy.printing.codeprinter import CodePrinter
 
 from maskc.trace import dag
-from maskc.trace.proxy import integral
+from maskc.trace.proxy import integral, quotient
 from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE, LoadFloat
 
 _NAMES = {B: "off_b", H: "off_h", Q_IDX: "q_idx", KV_IDX: "kv_idx", SCORE: "score"}
@@ -322,25 +322,17 @@ class TritonPrinter(CodePrinter):
         return _join([self._factor(a, floats) for a in e.args], "*", _Prec.MUL)
 
     def _division(self, factors) -> _Text | None:
-        """The product of `factors` as one true division where some are divisors (sympy's x / d
-        is x * d**-1), as torch divides: once, where x * (1.0 / d) rounds twice
-        (kv_idx / (q_idx + 1) came out 0.99999994 at kv_idx = q_idx + 1 = 41, and a mask dropped
-        that pair) and takes 1.0 / d in float32 beside a float64 score. Index arithmetic divides in
-        float32, as torch's does whatever q's dtype, correctly rounded (tl.math.div_rn: a GPU's
-        float32 `/` is an approximation within 2 ulp); a quotient that reads the score or a
-        captured float element divides with `/` in its dtype (div_rn takes float32 only), or,
-        by a float divisor (softcap's score / cap), is None: that reciprocal keeps its own
-        dtype, and the product is within a score's rounding of the quotient."""
-        divisors = [f.base ** -f.exp for f in factors if _reciprocal(f)]
-        if not divisors:
+        """The product of `factors` as one true division where torch divides once
+        (proxy.quotient): of index arithmetic, in float32 and correctly rounded (tl.math.div_rn:
+        a GPU's float32 `/` is within 2 ulp); otherwise `/` in the quotient's dtype (div_rn
+        takes float32 only)."""
+        found = quotient(factors)
+        if found is None:
             return None
-        numerator = sympy.Mul(*[f for f in factors if not _reciprocal(f)], evaluate=False)
-        denominator = sympy.Mul(*divisors, evaluate=False)
+        numerator, denominator = found
         both = sympy.Tuple(numerator, denominator)
         if not dag.atoms(both, LoadFloat) and SCORE not in dag.free_symbols(both):
             return _atom(f"tl.math.div_rn({self._float(numerator).text}, {self._float(denominator).text})")
-        if not all(map(_integer, divisors)):
-            return None
         top = _literal("1.0") if numerator == 1 else self._factor(numerator, True)
         return _join([top, self._factor(denominator, True)], "/", _Prec.MUL)
 
@@ -643,12 +635,6 @@ def _nonnegative(e) -> bool:
     """Whether sympy proves `e` nonnegative, where its proof can be trusted (dag.misleads_sympy:
     it calls floor(2/(q_idx + kv_idx + 1) - 1/2) nonnegative, which is -1 from q_idx + kv_idx = 4)."""
     return bool(e.is_nonnegative) and not dag.misleads_sympy(e)
-
-
-def _reciprocal(e) -> bool:
-    """Whether `e` is a divisor's factor of a product: d**-n, n a literal from 1 to 64 (the
-    powers `_print_Pow` multiplies out), d not a number (a number's reciprocal is a literal)."""
-    return e.is_Pow and e.exp.is_Integer and -64 <= e.exp < 0 and not e.base.is_number
 
 
 def _float_rounding(e) -> bool:

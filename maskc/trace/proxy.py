@@ -20,7 +20,8 @@ import torch
 from maskc.errors import MaskTraceError
 from maskc.trace import _context, dag
 from maskc.trace.canonical import conjunction, disjunction, negation, parity, piecewise
-from maskc.trace.symbols import BitAnd, BitOr, BitXor, LeftShift, LoadBool, LoadFloat, LoadInt, RightShift, Trunc
+from maskc.trace.symbols import (SCORE, BitAnd, BitOr, BitXor, LeftShift, LoadBool, LoadFloat, LoadInt, RightShift,
+                                 Trunc)
 
 
 class Proxy:
@@ -256,6 +257,33 @@ class Proxy:
 _INTEGER_NODES = (sympy.Integer, sympy.floor, sympy.ceiling, Trunc, BitAnd, BitOr, BitXor, LeftShift, RightShift,
                   LoadInt, LoadBool)
 _INTEGER_OF_INTEGERS = (sympy.Add, sympy.Mul, sympy.Min, sympy.Max, sympy.Abs, sympy.Mod, sympy.sign)
+
+
+def quotient(factors):
+    """A product's factors as torch divides them: (numerator, denominator) where the product is
+    one true division x / d (sympy holds it as x * d**-n), else None. The printer and the dense
+    evaluator both compute it so. Every quotient is one division, except a score's or a captured
+    float element's by a divisor that is not an integer (softcap's score / cap): that reciprocal
+    is taken once in its own dtype, within a score's rounding of the quotient."""
+    divisors = [f.base ** -f.exp for f in factors if _divisor(f)]
+    if not divisors:
+        return None
+    numerator = sympy.Mul(*[f for f in factors if not _divisor(f)], evaluate=False)
+    denominator = sympy.Mul(*divisors, evaluate=False)
+    both = sympy.Tuple(numerator, denominator)
+    if (dag.atoms(both, LoadFloat) or SCORE in dag.free_symbols(both)) and not all(map(_whole, divisors)):
+        return None
+    return numerator, denominator
+
+
+def _divisor(e) -> bool:
+    # d**-n with n a literal from 1 to 64 (the powers a printer multiplies out), d not a number
+    # (a number's reciprocal is a literal)
+    return e.is_Pow and e.exp.is_Integer and -64 <= e.exp < 0 and not e.base.is_number
+
+
+def _whole(e) -> bool:
+    return bool(e.is_integer) or integral(e)
 
 
 @functools.lru_cache(maxsize=1 << 16)
