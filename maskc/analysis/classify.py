@@ -176,17 +176,15 @@ def _error(e, evaluator, memo):
             error = _combined(e.is_Add, [_error(a, evaluator, memo) for a in e.args])
         elif e.is_Pow and e.exp.is_Integer and e.exp > 0:  # printed as a product
             error = _combined(False, [_error(e.base, evaluator, memo)] * int(e.exp))
-        elif e.is_Pow and e.exp.is_Number:  # a root or a reciprocal: its base's error times the steepest slope
-            x, x_error = evaluator.run(e.base), _error(e.base, evaluator, memo)[1]
-            lo, hi, a = x.lo.to(torch.float64) - x_error, x.hi.to(torch.float64) + x_error, float(e.exp)
-            slope = torch.where(lo > 0, abs(a) * torch.maximum(lo.clamp(min=1e-300) ** (a - 1), hi ** (a - 1)),
-                                math.inf)
-            error = torch.where(x_error == 0, 0.0, slope * x_error) + _ROUNDING * m
         elif isinstance(e, (sympy.Min, sympy.Max, sympy.Abs)):  # each passes on its arguments' errors
             error = functools.reduce(torch.maximum, [_error(a, evaluator, memo)[1] for a in e.args])
-        elif type(e) in _SLOPES:  # an argument's error, grown by the function's steepest slope near it
-            x, x_error = evaluator.run(e.args[0]), _error(e.args[0], evaluator, memo)[1]
-            slope = _SLOPES[type(e)](x.lo.to(torch.float64) - x_error, x.hi.to(torch.float64) + x_error)
+        elif (e.is_Pow and e.exp.is_Number) or type(e) in _SLOPES:
+            # a root, a reciprocal or a smooth function: its argument's error, grown by the
+            # steepest slope near it
+            x = e.base if e.is_Pow else e.args[0]
+            x_iv, x_error = evaluator.run(x), _error(x, evaluator, memo)[1]
+            slope = (_power_slope(float(e.exp)) if e.is_Pow else _SLOPES[type(e)])(
+                x_iv.lo.to(torch.float64) - x_error, x_iv.hi.to(torch.float64) + x_error)
             error = torch.where(x_error == 0, 0.0, slope * x_error) + _ROUNDING * m
         else:
             error = torch.full_like(m, math.inf)
@@ -204,6 +202,12 @@ _SLOPES = {
     sympy.cos: lambda lo, hi: 1.0,
     sympy.erf: lambda lo, hi: 2 / math.sqrt(math.pi),
 }
+
+
+def _power_slope(a: float):
+    """The largest |d(x**a)/dx| for x in [lo, hi]: unbounded unless the range is positive."""
+    return lambda lo, hi: torch.where(lo > 0, abs(a) * torch.maximum(lo.clamp(min=1e-300) ** (a - 1), hi ** (a - 1)),
+                                      math.inf)
 
 
 def _combined(is_sum: bool, parts):

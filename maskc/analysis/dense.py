@@ -111,7 +111,10 @@ class _Evaluator:
     def _Mul(self, e):
         found = quotient(e.args)
         if found is not None:  # one true division, as torch and the kernel divide
-            return torch.true_divide(self.run(found[0]), self.run(found[1]))
+            numerator, denominator = (self.run(f) for f in found)
+            if not (numerator.is_floating_point() or denominator.is_floating_point()):
+                numerator = numerator.to(self.floats)  # torch's integer true division gives the float dtype
+            return torch.true_divide(numerator, denominator)
         out = self.run(e.args[0])
         for a in e.args[1:]:
             out = out * self.run(a)
