@@ -73,6 +73,21 @@ def cases(Lq, Lkv, H):
     def from_the_end(score, b, h, q_idx, kv_idx):
         return score + distance[q_idx - kv_idx]  # a negative index counts from the end, as torch's
 
+    positions = torch.arange(max(Lq, Lkv), device="cuda")
+    rates, thirds = (positions + 1.0) * 0.1, torch.full_like(positions, 3.0, dtype=torch.float32) / (positions + 1)
+
+    def table_ratio(b, h, q_idx, kv_idx):
+        return rates[q_idx] / rates[kv_idx] >= 1  # one division: the diagonal is exactly 1.0
+
+    def number_over_an_index(b, h, q_idx, kv_idx):
+        return 3 / (kv_idx + 1) >= thirds[q_idx]  # torch's 3 / x is x.reciprocal() * 3; no FMA
+
+    def product_over_a_table(b, h, q_idx, kv_idx):
+        return (kv_idx + 1) * thirds[q_idx] <= 3  # torch rounds the product: no FMA
+
+    def over_a_table(score, b, h, q_idx, kv_idx):
+        return score + rates[kv_idx] / rates[q_idx]
+
     return [
         ("float literals rounded", float_literals_rounded, narrow_casts),
         ("negative index", masks.causal, from_the_end),
@@ -80,6 +95,9 @@ def cases(Lq, Lkv, H):
         ("no mask", None, None),
         ("causal", masks.causal, None),
         ("late rows", late_rows, None),
+        ("table ratio", table_ratio, over_a_table),
+        ("number over an index", number_over_an_index, None),
+        ("product over a table", product_over_a_table, None),
         ("sliding 100", masks.sliding_window(100), None),
         ("prefix-LM 300", masks.prefix_lm(300), None),
         ("document", masks.document(docs, causal=True), None),

@@ -110,11 +110,12 @@ class _Evaluator:
 
     def _Mul(self, e):
         found = quotient(e.args)
-        if found is not None:  # one true division, as torch and the kernel divide
-            numerator, denominator = (self.run(f) for f in found)
+        if found is not None:  # divided as torch and the kernel divide
+            numerator, denominator, scale = (self.run(f) for f in found)
             if not (numerator.is_floating_point() or denominator.is_floating_point()):
                 numerator = numerator.to(self.floats)  # torch's integer true division gives the float dtype
-            return torch.true_divide(numerator, denominator)
+            value = torch.true_divide(numerator, denominator)
+            return value if found[2] == 1 else value * scale
         out = self.run(e.args[0])
         for a in e.args[1:]:
             out = out * self.run(a)

@@ -322,19 +322,22 @@ class TritonPrinter(CodePrinter):
         return _join([self._factor(a, floats) for a in e.args], "*", _Prec.MUL)
 
     def _division(self, factors) -> _Text | None:
-        """The product of `factors` as one true division where torch divides once
-        (proxy.quotient): of index arithmetic, in float32 and correctly rounded (tl.math.div_rn:
-        a GPU's float32 `/` is within 2 ulp); otherwise `/` in the quotient's dtype (div_rn
-        takes float32 only)."""
+        """The product of `factors` as torch divides (proxy.quotient), each division rounded
+        once: of index arithmetic in float32 (tl.math.div_rn: a GPU's float32 `/` is within
+        2 ulp); of a captured float element in its dtype (the helper _div); of a score by an
+        integer, `/` in the score's dtype."""
         found = quotient(factors)
         if found is None:
             return None
-        numerator, denominator = found
+        numerator, denominator, scale = found
         both = sympy.Tuple(numerator, denominator)
-        if not dag.atoms(both, LoadFloat) and SCORE not in dag.free_symbols(both):
-            return _atom(f"tl.math.div_rn({self._float(numerator).text}, {self._float(denominator).text})")
-        top = _literal("1.0") if numerator == 1 else self._factor(numerator, True)
-        return _join([top, self._factor(denominator, True)], "/", _Prec.MUL)
+        if SCORE in dag.free_symbols(both):
+            top = _literal("1.0") if numerator == 1 else self._factor(numerator, True)
+            value = _join([top, self._factor(denominator, True)], "/", _Prec.MUL)
+        else:
+            args = self._float(numerator).text, self._float(denominator).text
+            value = self._helper("_div", *args) if dag.atoms(both, LoadFloat) else _atom(f"tl.math.div_rn({', '.join(args)})")
+        return value if scale == 1 else _join([value, self._text(scale)], "*", _Prec.MUL)
 
     def _factor(self, a, floats) -> _Text:
         """A term of a sum or a factor of a product: over the float positions where the sum or

@@ -16,7 +16,8 @@ import sympy
 from maskc.analysis.intervals import doubtful_indices
 from maskc.codegen.separable import separate
 from maskc.trace import dag
-from maskc.trace.symbols import is_load, param_symbol
+from maskc.trace.proxy import integral
+from maskc.trace.symbols import Trunc, is_load, param_symbol
 from maskc.trace.tracer import Traced
 
 # forward, backward, decoding (split-KV), Hopper forward and dK/dV (Gluon)
@@ -46,6 +47,9 @@ class KernelSource:
     # it from the call's positions (analysis.intervals.indices_nonnegative), and it is True
     # where it cannot (decoding, paged caches, a kernel compiled ahead of any call).
     negative_indices: bool = True
+    # Whether the GPU may fuse a multiply and an add into one FMA (Triton's enable_fp_fusion):
+    # not where a mod decides on a float (`fuses_multiply_add`).
+    fuse_multiply_add: bool = True
     mask_expr: sympy.Basic | None = field(default=None, compare=False, repr=False)
     score_expr: sympy.Basic | None = field(default=None, compare=False, repr=False)
 
@@ -64,7 +68,7 @@ class KernelSource:
                    grad_slots=tuple(grad_slots) if kind == "bwd" else (),
                    # one file where no index is in doubt, whatever the caller knows
                    negative_indices=negative_indices and bool(doubtful_indices((mask_expr, score_expr))),
-                   mask_expr=mask_expr, score_expr=score_expr)
+                   fuse_multiply_add=fuses_multiply_add(mask_expr, score_expr), mask_expr=mask_expr, score_expr=score_expr)
 
     def digest(self, *, codegen_hash: str, maskc_version: str) -> str:
         """The hash of the text: these fields, the templates and codegen modules, and maskc's
@@ -72,6 +76,21 @@ class KernelSource:
         fields = {k: v for k, v in self.__dict__.items() if k not in ("mask_expr", "score_expr")}
         blob = json.dumps({**fields, "codegen": codegen_hash, "maskc": maskc_version}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# Nodes whose value is a decision on their arguments' exact values: a pair kept or a branch
+# taken (comparisons), an integer made of a float (rounding, an index), a sign.
+_DECISIONS = (sympy.core.relational.Relational, sympy.floor, sympy.ceiling, Trunc, sympy.Mod, sympy.sign)
+
+
+def fuses_multiply_add(*exprs) -> bool:
+    """Whether a kernel of these expressions may let the GPU fuse a multiply and an add into one
+    FMA: only where no decision is taken on a float. Eager torch rounds x * w before adding; an
+    FMA does not, so `3 / (kv_idx + 1) >= t[q_idx]` (printed `-t + rcp * 3 >= 0`, fused to
+    fma(rcp, 3, -t)) dropped pairs at exact ties that torch keeps. The templates write their
+    own FMAs explicitly (tl.math.fma), so turning fusion off costs them nothing."""
+    return not any(not all(map(integral, node.args))
+                   for e in exprs if e is not None for node in dag.atoms(e, *_DECISIONS))
 
 
 def merge(mask: Traced | None, score: Traced | None):

@@ -45,6 +45,11 @@ class CompiledKernel:
                       "launch values)", DeprecationWarning, stacklevel=2)
         return self.kernel_source
 
+    @property
+    def options(self) -> dict:
+        """Triton compile options the file's arithmetic needs (KernelSource.fuse_multiply_add)."""
+        return {} if self.kernel_source.fuse_multiply_add else {"enable_fp_fusion": False}
+
     def function(self, interpret: bool, name: str | None = None):
         """A @triton.jit function of the file (the first by default): interpreted for CPU
         tensors, compiled for CUDA."""

@@ -61,7 +61,7 @@ class LaunchPlan:
         self._launched = False
         self._args = [fixed.get(p) for p in params]
         self._slots = tuple(params.index(p) for p in per_call)
-        self._options = options
+        self._options = {**options, **kernel.options}
         self._grid = grid
         self._direct = None if interpret else False  # None: never; False: not yet; else (runner, device, ints)
 

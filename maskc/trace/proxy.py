@@ -260,20 +260,25 @@ _INTEGER_OF_INTEGERS = (sympy.Add, sympy.Mul, sympy.Min, sympy.Max, sympy.Abs, s
 
 
 def quotient(factors):
-    """A product's factors as torch divides them: (numerator, denominator) where the product is
-    one true division x / d (sympy holds it as x * d**-n), else None. The printer and the dense
-    evaluator both compute it so. Every quotient is one division, except a score's or a captured
-    float element's by a divisor that is not an integer (softcap's score / cap): that reciprocal
-    is taken once in its own dtype, within a score's rounding of the quotient."""
+    """A product's factors as torch divides them: (numerator, denominator, scale) where the
+    product is one true division x / d times a number (sympy holds it as x * d**-n), else None.
+    The printer and the dense evaluator both compute it so.
+    - Every quotient is one division, captured float elements' too (`w[q_idx] / w[kv_idx] >= 1`
+      keeps the diagonal only if w / w rounds to 1.0), and the scale is 1;
+    - except a number over a tensor: torch's `c / x` is `x.reciprocal() * c`, two roundings, so
+      the numerator is 1 and the scale c;
+    - and except a score's by a divisor that is not an integer (softcap's score / cap): that
+      reciprocal is taken once in its own dtype, within a score's rounding of the quotient."""
     divisors = [f.base ** -f.exp for f in factors if _divisor(f)]
     if not divisors:
         return None
     numerator = sympy.Mul(*[f for f in factors if not _divisor(f)], evaluate=False)
     denominator = sympy.Mul(*divisors, evaluate=False)
-    both = sympy.Tuple(numerator, denominator)
-    if (dag.atoms(both, LoadFloat) or SCORE in dag.free_symbols(both)) and not all(map(_whole, divisors)):
+    if SCORE in dag.free_symbols(sympy.Tuple(numerator, denominator)) and not all(map(_whole, divisors)):
         return None
-    return numerator, denominator
+    if numerator.is_number:
+        return sympy.S.One, denominator, numerator
+    return numerator, denominator, sympy.S.One
 
 
 def _divisor(e) -> bool:
