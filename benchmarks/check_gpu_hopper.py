@@ -74,6 +74,7 @@ def cases(Lq, Lkv, H):
         return score + distance[q_idx - kv_idx]  # a negative index counts from the end, as torch's
 
     positions = torch.arange(max(Lq, Lkv), device="cuda")
+    squares = (positions * positions).float()
     rates, thirds = (positions + 1.0) * 0.1, torch.full_like(positions, 3.0, dtype=torch.float32) / (positions + 1)
 
     def table_ratio(b, h, q_idx, kv_idx):
@@ -84,6 +85,9 @@ def cases(Lq, Lkv, H):
 
     def product_over_a_table(b, h, q_idx, kv_idx):
         return (kv_idx + 1) * thirds[q_idx] <= 3  # torch rounds the product: no FMA
+
+    def root_of_a_square(b, h, q_idx, kv_idx):
+        return torch.sqrt(squares[q_idx]) >= kv_idx  # causal: the root is exact in torch
 
     def over_a_table(score, b, h, q_idx, kv_idx):
         return score + rates[kv_idx] / rates[q_idx]
@@ -98,6 +102,7 @@ def cases(Lq, Lkv, H):
         ("table ratio", table_ratio, over_a_table),
         ("number over an index", number_over_an_index, None),
         ("product over a table", product_over_a_table, None),
+        ("root of a square", root_of_a_square, None),
         ("sliding 100", masks.sliding_window(100), None),
         ("prefix-LM 300", masks.prefix_lm(300), None),
         ("document", masks.document(docs, causal=True), None),

@@ -136,6 +136,10 @@ def test_a_division_by_an_index_prints_as_one_division():
     # a number over a tensor as torch computes it: the reciprocal, times the number
     assert show(3 / (Q_IDX + 1)) == "tl.math.div_rn(1.0, 1.0 + q_idx_f) * 3"
     assert show(-3 / (Q_IDX + 1)) == "tl.math.div_rn(1.0, 1.0 + q_idx_f) * -3"
+    # roots and reciprocals that can decide a pair are correctly rounded (a GPU's are not)
+    assert show(sympy.sqrt(KV_IDX)) == "_sqrt(kv_idx_f)"
+    assert show(1 / sympy.sqrt(LoadFloat(0, Q_IDX))) == "_div(1.0, _sqrt(_widen(tl.load(T0 + q_idx * T0_stride0, mask=((q_idx >= 0) & (q_idx < T0_size0)) != 0, other=0))))"
+    assert show(sympy.sqrt(SCORE)) == "tl.sqrt(score)"
     # a captured float element: one division in its dtype
     assert show(LoadFloat(0, Q_IDX) / LoadFloat(0, KV_IDX)) == "_div(_widen(tl.load(T0 + q_idx * T0_stride0, mask=((q_idx >= 0) & (q_idx < T0_size0)) != 0, other=0)), _widen(tl.load(T0 + kv_idx * T0_stride0, mask=((kv_idx >= 0) & (kv_idx < T0_size0)) != 0, other=0)))"
     # a score over an integer: one division in the score's dtype (1.0 / d was float32 beside float64)

@@ -69,7 +69,7 @@ from sympy.printing.codeprinter import CodePrinter
 
 from maskc.trace import dag
 from maskc.trace.proxy import integral, quotient
-from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE, LoadFloat
+from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE, LoadBool, LoadFloat, LoadInt
 
 _NAMES = {B: "off_b", H: "off_h", Q_IDX: "q_idx", KV_IDX: "kv_idx", SCORE: "score"}
 _FLOAT_POSITIONS = {Q_IDX: "q_idx_f", KV_IDX: "kv_idx_f"}
@@ -375,6 +375,20 @@ class TritonPrinter(CodePrinter):
             return self._text(e.xreplace(_FLOAT_SYMBOLS))
         return _atom(f"{_attribute_of(self._text(e))}.to(tl.float32)")
 
+    def _reciprocal(self, base, text: _Text) -> _Text:
+        """1 / text, of `base`: rounded once where it can decide a pair (`_rounds_as_torch`),
+        as a GPU's float32 `/` is within 2 ulp; elsewhere `/` in the operand's dtype."""
+        if _rounds_as_torch(base):
+            return self._helper("_div", "1.0", text.text)
+        return _Text(f"1.0 / {text.operand(_Prec.MUL + 1)}", _Prec.MUL)
+
+    def _root(self, base) -> _Text:
+        """The square root of `base`: correctly rounded where it can decide a pair, as torch's
+        (a GPU's float32 tl.sqrt is sqrt.approx: a perfect square's root can come out an ulp off,
+        and a comparison with it flip)."""
+        text = self._float(base).text
+        return self._helper("_sqrt", text) if _rounds_as_torch(base) else _atom(f"tl.sqrt({text})")
+
     def _print_Pow(self, e):
         base, exp = e.args
         # score**2.0 is score * score, as in torch; past 64 factors, the general rule below
@@ -385,11 +399,11 @@ class TritonPrinter(CodePrinter):
             if n < 0 and _integer(base):  # 1 / d of an integer d: torch's true division of integers
                 return self._division((e,))
             product = _join([self._text(base)] * abs(n), "*", _Prec.MUL)
-            return product if n > 0 else _Text(f"1.0 / {product.operand(_Prec.MUL + 1)}", _Prec.MUL)
+            return product if n > 0 else self._reciprocal(base, product)
         if exp.is_Number and float(exp) == 0.5:
-            return _atom(f"tl.sqrt({self._float(base).text})")
+            return self._root(base)
         if exp.is_Number and float(exp) == -0.5:
-            return _Text(f"1.0 / tl.sqrt({self._float(base).text})", _Prec.MUL)
+            return self._reciprocal(base, self._root(base))
         if base.is_Number and float(base) == 2.0:
             return _atom(f"tl.math.exp2({self._float(exp).text})")
         if base.is_Number and base > 0:
@@ -626,6 +640,15 @@ class TritonPrinter(CodePrinter):
         if len(load.args) == 1:
             return "0", "1"
         return self._element(load, name)
+
+
+def _rounds_as_torch(e) -> bool:
+    """Whether a reciprocal or root of `e` is printed rounded as torch rounds it (the prelude's
+    _div and _sqrt): where `e` reads a position or a captured element and no score. A score's
+    value is already a matrix product's rounding away from torch's; a runtime scalar's is a
+    Python float in the interpreter (float64 there), which the helpers would take as float32."""
+    return SCORE not in dag.free_symbols(e) and (bool(dag.atoms(e, LoadFloat, LoadInt, LoadBool)) or any(
+        s in _NAMES for s in dag.free_symbols(e)))
 
 
 def _integer(e) -> bool:
