@@ -2,7 +2,7 @@
 
     python benchmarks/bench_attention.py                  # forward, B=4 H=16 L=8192 D=128 bf16
     python benchmarks/bench_attention.py --dim 64 --length 16384
-    python benchmarks/bench_attention.py --backward       # forward + backward
+    python benchmarks/bench_attention.py --backward       # forward + backward (torch.autograd.grad)
 
 TFLOP/s count 4·B·H·D·(pairs the mask keeps) for the forward, 3.5 times that for forward
 plus backward, the same count for every implementation. maskc and FlexAttention are timed
@@ -79,8 +79,16 @@ def outputs(run, q, k, v, d_out, backward):
     return [out.detach(), *torch.autograd.grad(out, (q, k, v), d_out)]
 
 
-def with_backward(run, d_out):
-    return lambda: run().backward(d_out)
+def with_backward(run, q, k, v, d_out, accumulate):
+    """A training step's attention: forward, then the gradients of q, k and v handed on, as
+    autograd hands them to the projections that made q, k and v in a model. `accumulate` (the
+    method before session 23) calls `.backward`, which also adds each gradient into the leaf
+    tensors' `.grad`: three elementwise adds of B·H·L·D that are not attention (0.39 ms a step at
+    the default shape on the H100, the same for every implementation; FlashAttention's
+    benchmarks clear `.grad` before each backward for the same reason)."""
+    if accumulate:
+        return lambda: run().backward(d_out)
+    return lambda: torch.autograd.grad(run(), (q, k, v), d_out)
 
 
 def reference(q, k, v, d_out, mask, score, backward):
@@ -106,6 +114,8 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--only", default="", help="workload names to run, separated by |")
     ap.add_argument("--backward", action="store_true", help="time forward + backward")
+    ap.add_argument("--accumulate-grads", action="store_true",
+                    help="with --backward: .backward() into the leaves' .grad, the method before session 23")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [args.length]
     warm_up_gpu()
@@ -122,7 +132,7 @@ def run(args, L):
     q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16, requires_grad=args.backward)
                for _ in range(3))
     d_out = torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16)
-    mode = "fwd+bwd" if args.backward else "fwd"
+    mode = ("fwd+bwd" + (", .grad accumulated" if args.accumulate_grads else "")) if args.backward else "fwd"
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"MASKC_AUTOTUNE={os.environ.get('MASKC_AUTOTUNE', '')!r}, "
           f"B={B} H={H} L={L} D={D} bf16, {mode}")
@@ -143,7 +153,8 @@ def run(args, L):
         run_flex = lambda: flex(q, k, v, score_mod=score.fn if score else None, block_mask=flex_bm)  # noqa: E731
         timed_maskc, timed_flex = run_maskc, run_flex
         if args.backward:
-            timed_maskc, timed_flex = with_backward(run_maskc, d_out), with_backward(run_flex, d_out)
+            timed_maskc, timed_flex = (with_backward(fn, q, k, v, d_out, args.accumulate_grads)
+                                       for fn in (run_maskc, run_flex))
         t_maskc, t_flex = alternating(timed_maskc, timed_flex)
         # checked after timing, so that no heavy float64 work runs between the timed calls
         got = outputs(run_maskc, q, k, v, d_out, args.backward)
