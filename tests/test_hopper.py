@@ -151,6 +151,21 @@ def test_drawn_mods_compile_for_sm90(data):
     _check(_compile(mask, score, data.draw(st.sampled_from([64, 128]))))
 
 
+RATES = torch.arange(1.0, 101.0) * 0.1
+
+
+def rates_and_roots(b, h, q_idx, kv_idx):
+    return (RATES[q_idx] / RATES[kv_idx] >= 1) | (torch.sqrt(RATES[kv_idx]) * 3 > q_idx)
+
+
+@pytest.mark.parametrize("kind", ["hfwd", "hbwd"])
+def test_the_prelude_s_correctly_rounded_helpers_compile_for_sm90(kind):
+    # _div and _sqrt (a captured table's division, a root) print tl.math.div_rn and sqrt_rn,
+    # which Gluon takes too; the kernel decides on floats, so it runs without FMA contraction
+    # (KernelSource.fuse_multiply_add), which is a launch option, not text
+    _check(_compile(rates_and_roots, None, 64, kind=kind))
+
+
 # the dK/dV kernel: the mask, the score mod and its derivative in the transposed tile, at the
 # head dim it runs at by default (64, computing dQ too) and the one MASKC_GLUON=always adds
 # (128, without dQ: hopper.computes_dq); without dQ at 64 too (deterministic algorithms,
