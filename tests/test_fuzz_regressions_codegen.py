@@ -7,11 +7,12 @@ import torch
 
 import maskc
 from maskc.codegen.printer import TritonPrinter
-from maskc.codegen.source import fuses_multiply_add
+from maskc.codegen.render import render
+from maskc.codegen.source import KernelSource, fuses_multiply_add
 from maskc.runtime.kernel import kernel_for
 from maskc.testing import assert_close_to_reference, attention_reference, dense_mask
 from maskc.trace.mods import as_mask_mod, as_score_mod
-from maskc.trace.symbols import B, KV_IDX, Q_IDX, SCORE, LoadFloat, param_symbol
+from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE, LoadFloat, param_symbol
 
 P0_INT = param_symbol(0, True)
 P0_FLOAT = param_symbol(0, False)
@@ -123,6 +124,20 @@ def test_a_score_mod_computing_floats_still_fuses():
     assert not fuses_multiply_add(None, as_score_mod(where_of_a_float).traced.expr)
 
 
+def root_distance(score, b, h, q_idx, kv_idx):
+    return score - torch.sqrt((q_idx - kv_idx).abs().float())
+
+
+def root_distance_cut(score, b, h, q_idx, kv_idx):
+    return torch.where(torch.sqrt((q_idx - kv_idx).abs().float()) <= 4, score, float("-inf"))
+
+
+@pytest.mark.parametrize("score,text", [(root_distance, "tl.sqrt("), (root_distance_cut, "_sqrt(")])
+def test_a_score_mod_s_root_rounds_as_torch_only_where_it_decides(score, text):
+    rendered = render(KernelSource.of("fwd", None, as_score_mod(score).traced, exact=False)).text
+    assert text in rendered and ("_sqrt(" in rendered) == (text == "_sqrt(")
+
+
 def where_of_a_float(score, b, h, q_idx, kv_idx):
     return torch.where((q_idx - kv_idx) * 0.1 + score > 1.0, score, 0.0)
 
@@ -140,6 +155,11 @@ def test_a_division_by_an_index_prints_as_one_division():
     assert show(sympy.sqrt(KV_IDX)) == "_sqrt(kv_idx_f)"
     assert show(1 / sympy.sqrt(LoadFloat(0, Q_IDX))) == "_div(1.0, _sqrt(_widen(tl.load(T0 + q_idx * T0_stride0, mask=((q_idx >= 0) & (q_idx < T0_size0)) != 0, other=0))))"
     assert show(sympy.sqrt(SCORE)) == "tl.sqrt(score)"
+    # a score's value where nothing decides on floats keeps the GPU's faster forms
+    fast = TritonPrinter(decides=False)
+    assert fast.doprint(SCORE + sympy.sqrt(KV_IDX)) == "score + tl.sqrt(kv_idx_f)"
+    assert fast.doprint(LoadFloat(0, H) / LoadFloat(0, B)).startswith("_widen(tl.load(T0 + off_h")
+    assert "_div" not in fast.doprint(LoadFloat(0, H) / LoadFloat(0, B))
     # a captured float element: one division in its dtype
     assert show(LoadFloat(0, Q_IDX) / LoadFloat(0, KV_IDX)) == "_div(_widen(tl.load(T0 + q_idx * T0_stride0, mask=((q_idx >= 0) & (q_idx < T0_size0)) != 0, other=0)), _widen(tl.load(T0 + kv_idx * T0_stride0, mask=((kv_idx >= 0) & (kv_idx < T0_size0)) != 0, other=0)))"
     # a score over an integer: one division in the score's dtype (1.0 / d was float32 beside float64)

@@ -246,3 +246,16 @@ def test_mask_mod_with_wrong_arity():
     q, k, v = _qkv()
     _raises(maskc.MaskTraceError, ["mask_mod", "4 positional arguments", "(b, h, q_idx, kv_idx)"], attention, q, k,
             v, mask_mod=lambda q_idx, kv_idx: q_idx >= kv_idx)
+
+
+def halvings(b, h, q_idx, kv_idx):
+    x = q_idx
+    for _ in range(100):
+        x = torch.floor(x / 2) + kv_idx
+    return x >= 0
+
+
+def test_a_mod_nested_past_the_recursion_limit_is_refused_with_the_fix():
+    # it was a bare RecursionError from the canonical form
+    with pytest.raises(maskc.MaskTraceError, match="deeper than maskc's passes recurse.*outside the mod"):
+        maskc.mask_mod(halvings).traced

@@ -166,11 +166,16 @@ class TritonPrinter(CodePrinter):
     language = "Triton"
     _default_settings = {**CodePrinter._default_settings, "strict": True, "human": True}
 
-    def __init__(self, negative_indices: bool = True):
+    def __init__(self, negative_indices: bool = True, decides: bool = True):
         super().__init__()
         self.helpers: set[str] = set()
         # False: the caller knows every captured-tensor index is nonnegative where the kernel runs
         self.negative_indices = negative_indices
+        # Whether the expressions printed decide on floats (a mask; a score mod with a float
+        # comparison or rounding: codegen.source.fuses_multiply_add): their reciprocals, roots
+        # and captured elements' quotients then round as torch's. A score's value does not need
+        # it and keeps the GPU's faster forms.
+        self.decides = decides
         self._reset(counts=None, uses={}, prefix="")
 
     def _reset(self, counts, uses, prefix):
@@ -325,7 +330,8 @@ class TritonPrinter(CodePrinter):
         """The product of `factors` as torch divides (proxy.quotient), each division rounded
         once: of index arithmetic in float32 (tl.math.div_rn: a GPU's float32 `/` is within
         2 ulp); of a captured float element in its dtype (the helper _div); of a score by an
-        integer, `/` in the score's dtype."""
+        integer, `/` in the score's dtype; where nothing decides on it (`decides`), a captured
+        element's `/` too."""
         found = quotient(factors)
         if found is None:
             return None
@@ -334,9 +340,12 @@ class TritonPrinter(CodePrinter):
         if SCORE in dag.free_symbols(both):
             top = _literal("1.0") if numerator == 1 else self._factor(numerator, True)
             value = _join([top, self._factor(denominator, True)], "/", _Prec.MUL)
+        elif not dag.atoms(both, LoadFloat):
+            value = _atom(f"tl.math.div_rn({self._float(numerator).text}, {self._float(denominator).text})")
+        elif self.decides:
+            value = self._helper("_div", self._float(numerator).text, self._float(denominator).text)
         else:
-            args = self._float(numerator).text, self._float(denominator).text
-            value = self._helper("_div", *args) if dag.atoms(both, LoadFloat) else _atom(f"tl.math.div_rn({', '.join(args)})")
+            value = _join([self._float(numerator), self._float(denominator)], "/", _Prec.MUL)
         return value if scale == 1 else _join([value, self._text(scale)], "*", _Prec.MUL)
 
     def _factor(self, a, floats) -> _Text:
@@ -378,7 +387,7 @@ class TritonPrinter(CodePrinter):
     def _reciprocal(self, base, text: _Text) -> _Text:
         """1 / text, of `base`: rounded once where it can decide a pair (`_rounds_as_torch`),
         as a GPU's float32 `/` is within 2 ulp; elsewhere `/` in the operand's dtype."""
-        if _rounds_as_torch(base):
+        if self.decides and _rounds_as_torch(base):
             return self._helper("_div", "1.0", text.text)
         return _Text(f"1.0 / {text.operand(_Prec.MUL + 1)}", _Prec.MUL)
 
@@ -387,7 +396,7 @@ class TritonPrinter(CodePrinter):
         (a GPU's float32 tl.sqrt is sqrt.approx: a perfect square's root can come out an ulp off,
         and a comparison with it flip)."""
         text = self._float(base).text
-        return self._helper("_sqrt", text) if _rounds_as_torch(base) else _atom(f"tl.sqrt({text})")
+        return self._helper("_sqrt", text) if self.decides and _rounds_as_torch(base) else _atom(f"tl.sqrt({text})")
 
     def _print_Pow(self, e):
         base, exp = e.args
@@ -643,8 +652,9 @@ class TritonPrinter(CodePrinter):
 
 
 def _rounds_as_torch(e) -> bool:
-    """Whether a reciprocal or root of `e` is printed rounded as torch rounds it (the prelude's
-    _div and _sqrt): where `e` reads a position or a captured element and no score. A score's
+    """Whether a reciprocal or root of `e`, in expressions that decide on floats, is printed
+    rounded as torch rounds it (the prelude's _div and _sqrt): where `e` reads a position or a
+    captured element and no score. A score's
     value is already a matrix product's rounding away from torch's; a runtime scalar's is a
     Python float in the interpreter (float64 there), which the helpers would take as float32."""
     return SCORE not in dag.free_symbols(e) and (bool(dag.atoms(e, LoadFloat, LoadInt, LoadBool)) or any(

@@ -16,7 +16,7 @@ from sympy.functions.elementary.piecewise import ExprCondPair
 from maskc._version import __version__
 from maskc.codegen.printer import TritonPrinter, describe, tensor_args
 from maskc.codegen.separable import separate
-from maskc.codegen.source import KernelSource
+from maskc.codegen.source import KernelSource, fuses_multiply_add
 from maskc.errors import MaskcError
 from maskc.trace import dag
 from maskc.trace.symbols import INTEGER_OPS, KV_IDX, Q_IDX, ROUNDED, SCORE, LoadFloat
@@ -107,6 +107,8 @@ def _hooks(spec: KernelSource) -> dict:
     printer = TritonPrinter(negative_indices=spec.negative_indices)
     mask = sympy.true if spec.mask_expr is None else spec.mask_expr
     _name(hooks, "mask", printer.block([mask], "_mask")[0])
+    # a score's value may round as the GPU does, unless the score mod also decides on a float
+    printer.decides = not fuses_multiply_add(spec.score_expr)
     score_grad, loads = None, []
     if spec.kind in ("bwd", "hbwd") and spec.score_expr is not None:
         score_grad = score_derivative(spec.score_expr)

@@ -484,6 +484,13 @@ def trace(fn, kind: str) -> Traced:
                       kind, name, ", ".join(sorted(reached.origins)))
             structural |= reached.origins
             continue
+        except RecursionError:
+            # sympy's constructors and the canonical form recurse once per level of the expression
+            raise _trace_error(kind, name, filename, lineno,
+                               "nests its arithmetic deeper than maskc's passes recurse (Python's recursion limit: "
+                               "about 100 levels of floor(x / 2) + kv_idx in a loop)",
+                               "compute the deep part outside the mod, as a tensor over the positions, and index "
+                               "it with q_idx and kv_idx") from None
         _log.info("traced %s '%s' in %.1f ms; parameters: %s; captured tensors: %d", kind, name,
                   (time.perf_counter() - start) * 1e3,
                   ", ".join(f"{p.origin}={p.value}" for p in traced.params) or "none", len(traced.tensors))
