@@ -142,6 +142,41 @@ def where_of_a_float(score, b, h, q_idx, kv_idx):
     return torch.where((q_idx - kv_idx) * 0.1 + score > 1.0, score, 0.0)
 
 
+# from the review of the fixes above (each failed before its fix)
+CONSTANT = torch.full((64,), 1.7)
+SCALE = 3.0  # a captured Python float: torch's SCALE / x is x.reciprocal() * SCALE, as for a literal
+
+
+def negative_power(b, h, q_idx, kv_idx):
+    # torch keeps every pair; the dense settle computed t**-2 by pow (rounded once) beside the
+    # kernel's 1 / (t * t), and the block map called every tile EMPTY
+    return CONSTANT[kv_idx] ** -2 >= CONSTANT[q_idx] ** -2
+
+
+SCALE_OVER_RATES = torch.full((100,), SCALE) / RATES  # one rounding, where torch's SCALE / x takes two
+
+
+def parameter_over_a_table(b, h, q_idx, kv_idx):
+    return SCALE / RATES[kv_idx] >= SCALE_OVER_RATES[q_idx]
+
+
+def parameter_over_an_index(b, h, q_idx, kv_idx):
+    return SCALE / (kv_idx + 1) >= THIRDS[q_idx]
+
+
+@pytest.mark.parametrize("fn", [negative_power, parameter_over_a_table, parameter_over_an_index])
+def test_reviewed_divisions_keep_the_pairs_torch_keeps(fn):
+    L = 64
+    q, k = torch.zeros(1, 1, L, 16), torch.zeros(1, 1, L, 16)
+    v = torch.randn(1, 1, L, 16)
+    _, lse = maskc.compiled_attention(q, k, v, mask_mod=maskc.mask_mod(fn), return_lse=True)
+    kept = torch.where(lse.isneginf(), 0, lse.exp()).round().long()[0, 0]
+    assert torch.equal(kept, dense_mask(fn, L, L).sum(-1)[0, 0])
+    bm = maskc.block_map(fn, L, L, block_size=(16, 16)).to_dense()[0, 0]
+    tiles = dense_mask(fn, L, L)[0, 0].reshape(4, 16, 4, 16)
+    assert not (tiles.any(3).any(1) & (bm == 0)).any() and (tiles.all(3).all(1) | (bm != 2)).all()
+
+
 def test_a_division_by_an_index_prints_as_one_division():
     # index arithmetic: torch's float32 true division, correctly rounded (a GPU's `/` is not)
     assert show(KV_IDX / (Q_IDX + 1)) == "tl.math.div_rn(kv_idx_f, 1.0 + q_idx_f)"

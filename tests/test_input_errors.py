@@ -257,5 +257,5 @@ def halvings(b, h, q_idx, kv_idx):
 
 def test_a_mod_nested_past_the_recursion_limit_is_refused_with_the_fix():
     # it was a bare RecursionError from the canonical form
-    with pytest.raises(maskc.MaskTraceError, match="deeper than maskc's passes recurse.*outside the mod"):
+    with pytest.raises(maskc.MaskTraceError, match="recursion limit.*nests deeper.*outside the mod"):
         maskc.mask_mod(halvings).traced

@@ -21,7 +21,7 @@ from __future__ import annotations
 import sympy
 import torch
 
-from maskc.trace.proxy import quotient
+from maskc.trace.proxy import integral, quotient
 from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE
 
 
@@ -110,18 +110,41 @@ class _Evaluator:
 
     def _Mul(self, e):
         found = quotient(e.args)
-        if found is not None:  # divided as torch and the kernel divide
-            numerator, denominator, scale = (self.run(f) for f in found)
-            if not (numerator.is_floating_point() or denominator.is_floating_point()):
-                numerator = numerator.to(self.floats)  # torch's integer true division gives the float dtype
-            value = torch.true_divide(numerator, denominator)
-            return value if found[2] == 1 else value * scale
+        if found is not None:
+            return self._divided(found)
         out = self.run(e.args[0])
         for a in e.args[1:]:
             out = out * self.run(a)
         return out
 
+    def _divided(self, found):
+        """proxy.quotient's (numerator, denominator, scale), divided as torch and the kernel divide."""
+        numerator, denominator = self.run(found[0]), self.run(found[1])
+        if not (numerator.is_floating_point() or denominator.is_floating_point()):
+            numerator = numerator.to(self.floats)  # torch's integer true division gives the float dtype
+        value = torch.true_divide(numerator, denominator)
+        return value if found[2] == 1 else value * self.run(found[2])
+
     def _Pow(self, e):
+        # as the printer computes it (codegen/printer.py, _print_Pow): an integer power of at most
+        # 64 factors is their product, left to right, and a negative one its reciprocal, rounded
+        # once; an integer base's reciprocal is torch's true division; roots are correctly rounded
+        exp = e.exp
+        if exp.is_Number and exp.is_finite and float(exp).is_integer() and 0 < abs(float(exp)) <= 64:
+            n = int(exp)
+            if n < 0 and (e.base.is_integer or integral(e.base)):
+                return self._divided(quotient((e,)))
+            base = self.run(e.base)
+            product = base
+            for _ in range(abs(n) - 1):
+                product = product * base
+            if n > 0:
+                return product
+            product = self._floating(product)
+            return torch.true_divide(torch.ones((), dtype=product.dtype), product)
+        if exp.is_Number and abs(float(exp)) == 0.5:
+            root = torch.sqrt(self._floating(self.run(e.base)))
+            return root if exp > 0 else torch.true_divide(torch.ones((), dtype=root.dtype), root)
         base, exp = self._args(e)
         if e.exp.is_integer and e.exp.is_nonnegative:
             return base**exp  # integers stay integers, as torch's int ** int

@@ -654,9 +654,9 @@ class TritonPrinter(CodePrinter):
 def _rounds_as_torch(e) -> bool:
     """Whether a reciprocal or root of `e`, in expressions that decide on floats, is printed
     rounded as torch rounds it (the prelude's _div and _sqrt): where `e` reads a position or a
-    captured element and no score. A score's
-    value is already a matrix product's rounding away from torch's; a runtime scalar's is a
-    Python float in the interpreter (float64 there), which the helpers would take as float32."""
+    captured element and no score. A score's value is already a matrix product's rounding away
+    from torch's; a runtime scalar's is a Python float in the interpreter (float64 there), which
+    the helpers would take as float32."""
     return SCORE not in dag.free_symbols(e) and (bool(dag.atoms(e, LoadFloat, LoadInt, LoadBool)) or any(
         s in _NAMES for s in dag.free_symbols(e)))
 

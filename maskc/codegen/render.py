@@ -107,7 +107,8 @@ def _hooks(spec: KernelSource) -> dict:
     printer = TritonPrinter(negative_indices=spec.negative_indices)
     mask = sympy.true if spec.mask_expr is None else spec.mask_expr
     _name(hooks, "mask", printer.block([mask], "_mask")[0])
-    # a score's value may round as the GPU does, unless the score mod also decides on a float
+    # the mask is printed first, as a decision; from here on the scores, whose value may round as
+    # the GPU does unless the score mod also decides on a float
     printer.decides = not fuses_multiply_add(spec.score_expr)
     score_grad, loads = None, []
     if spec.kind in ("bwd", "hbwd") and spec.score_expr is not None:

@@ -20,8 +20,8 @@ import torch
 from maskc.errors import MaskTraceError
 from maskc.trace import _context, dag
 from maskc.trace.canonical import conjunction, disjunction, negation, parity, piecewise
-from maskc.trace.symbols import (SCORE, BitAnd, BitOr, BitXor, LeftShift, LoadBool, LoadFloat, LoadInt, RightShift,
-                                 Trunc)
+from maskc.trace.symbols import (LOADS, SCORE, BitAnd, BitOr, BitXor, LeftShift, LoadBool, LoadFloat, LoadInt,
+                                 RightShift, Trunc, is_param)
 
 
 class Proxy:
@@ -265,8 +265,9 @@ def quotient(factors):
     The printer and the dense evaluator both compute it so.
     - Every quotient is one division, captured float elements' too (`w[q_idx] / w[kv_idx] >= 1`
       keeps the diagonal only if w / w rounds to 1.0), and the scale is 1;
-    - except a number over a tensor: torch's `c / x` is `x.reciprocal() * c`, two roundings, so
-      the numerator is 1 and the scale c;
+    - except a Python number over a tensor (a literal, or a captured float: a parameter):
+      torch's `c / x` is `x.reciprocal() * c`, two roundings, so the numerator is 1 and the
+      scale c;
     - and except a score's by a divisor that is not an integer (softcap's score / cap): that
       reciprocal is taken once in its own dtype, within a score's rounding of the quotient."""
     divisors = [f.base ** -f.exp for f in factors if _divisor(f)]
@@ -276,7 +277,7 @@ def quotient(factors):
     denominator = sympy.Mul(*divisors, evaluate=False)
     if SCORE in dag.free_symbols(sympy.Tuple(numerator, denominator)) and not all(map(_whole, divisors)):
         return None
-    if numerator.is_number:
+    if not dag.atoms(numerator, *LOADS) and all(map(is_param, dag.free_symbols(numerator))):
         return sympy.S.One, denominator, numerator
     return numerator, denominator, sympy.S.One
 

@@ -487,8 +487,9 @@ def trace(fn, kind: str) -> Traced:
         except RecursionError:
             # sympy's constructors and the canonical form recurse once per level of the expression
             raise _trace_error(kind, name, filename, lineno,
-                               "nests its arithmetic deeper than maskc's passes recurse (Python's recursion limit: "
-                               "about 100 levels of floor(x / 2) + kv_idx in a loop)",
+                               "recursed past Python's recursion limit while tracing: its arithmetic nests deeper "
+                               "than maskc's passes recurse (about 70 levels of floor(x / 2) + kv_idx in a loop), "
+                               "or the mod calls itself without end",
                                "compute the deep part outside the mod, as a tensor over the positions, and index "
                                "it with q_idx and kv_idx") from None
         _log.info("traced %s '%s' in %.1f ms; parameters: %s; captured tensors: %d", kind, name,
