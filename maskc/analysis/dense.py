@@ -102,19 +102,29 @@ class _Evaluator:
     def _args(self, e):
         return [self.run(a) for a in e.args]
 
+    def _operands(self, e):
+        """The arguments of an arithmetic node or a comparison, a float literal among them in
+        float64 beside a float64 value: torch takes a Python number in the other operand's dtype,
+        and 0.1 read in float32 beside a float64 table had `t64[q] / 5 >= 0.1` false at 0.5 / 5."""
+        values = self._args(e)
+        if any(v.dtype == torch.float64 for v in values):
+            values = [torch.tensor(float(a), dtype=torch.float64) if a.is_Number and not a.is_Integer else v
+                      for a, v in zip(e.args, values)]
+        return values
+
     def _Add(self, e):
-        out = self.run(e.args[0])
-        for a in e.args[1:]:
-            out = out + self.run(a)
-        return out
+        first, *rest = self._operands(e)
+        for value in rest:
+            first = first + value
+        return first
 
     def _Mul(self, e):
         found = quotient(e.args)
         if found is not None:
             return self._divided(found)
-        out = self.run(e.args[0])
-        for a in e.args[1:]:
-            out = out * self.run(a)
+        out, *rest = self._operands(e)
+        for value in rest:
+            out = out * value
         return out
 
     def _divided(self, found):
@@ -249,27 +259,27 @@ class _Evaluator:
         return out
 
     def _GreaterThan(self, e):
-        a, b = self._args(e)
+        a, b = self._operands(e)
         return a >= b
 
     def _StrictGreaterThan(self, e):
-        a, b = self._args(e)
+        a, b = self._operands(e)
         return a > b
 
     def _LessThan(self, e):
-        a, b = self._args(e)
+        a, b = self._operands(e)
         return a <= b
 
     def _StrictLessThan(self, e):
-        a, b = self._args(e)
+        a, b = self._operands(e)
         return a < b
 
     def _Equality(self, e):
-        a, b = self._args(e)
+        a, b = self._operands(e)
         return a == b
 
     def _Unequality(self, e):
-        a, b = self._args(e)
+        a, b = self._operands(e)
         return a != b
 
     def _And(self, e):
