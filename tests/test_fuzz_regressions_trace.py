@@ -194,3 +194,20 @@ def test_a_root_in_a_float_comparison_leaves_tiles_decided():
     cls = classify_grid(traced.expr, evaluator)[0]
     assert (cls != PARTIAL).sum() >= 0.8 * n * n
     assert_block_map_sound(band, 256, 256, (16, 16))
+
+
+# -- sympy 1.14 squares a Mod factor of a product taken modulo a number (fuzzer seed 4087) ------
+def mod_of_a_scaled_mod(b, h, q_idx, kv_idx):
+    # Mod(8*Mod(kv, 7), 80) became 8*Mod(Mod(kv, 7)**2, 10): 72 at kv = 3, where torch has 24
+    return ((kv_idx % 7) * 8) % 80 == 24
+
+
+def test_a_mod_of_a_scaled_mod_keeps_torch_s_value():
+    expr = maskc.mask_mod(mod_of_a_scaled_mod).traced.expr
+    assert not any(isinstance(a, sympy.Pow) for a in sympy.preorder_traversal(expr))
+    L = 40
+    q, v = torch.zeros(1, 1, L, 16), torch.randn(1, 1, L, 16)
+    _, lse = maskc.compiled_attention(q, q, v, mask_mod=maskc.mask_mod(mod_of_a_scaled_mod), return_lse=True)
+    kept = torch.where(lse.isneginf(), 0, lse.exp()).round().long()[0, 0]
+    assert torch.equal(kept, dense_mask(mod_of_a_scaled_mod, L, L).sum(-1)[0, 0])
+    assert_block_map_sound(maskc.mask_mod(mod_of_a_scaled_mod), L, L, (16, 16))
