@@ -21,7 +21,7 @@ from __future__ import annotations
 import sympy
 import torch
 
-from maskc.trace.proxy import integral, quotient
+from maskc.trace.proxy import integral, multiplied_out, quotient
 from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE
 
 
@@ -136,12 +136,12 @@ class _Evaluator:
         return value if found[2] == 1 else value * self.run(found[2])
 
     def _Pow(self, e):
-        # as the printer computes it (codegen/printer.py, _print_Pow): an integer power of at most
-        # 64 factors is their product, left to right, and a negative one its reciprocal, rounded
-        # once; an integer base's reciprocal is torch's true division; roots are correctly rounded
-        exp = e.exp
-        if exp.is_Number and exp.is_finite and float(exp).is_integer() and 0 < abs(float(exp)) <= 64:
-            n = int(exp)
+        # as the printer computes it (codegen/printer.py, _print_Pow): a power proxy.multiplied_out
+        # names is the product of its factors, left to right, and a negative one its reciprocal,
+        # rounded once; an integer base's reciprocal is torch's true division; roots are correctly
+        # rounded
+        exp, n = e.exp, multiplied_out(e.exp)
+        if n:
             if n < 0 and (e.base.is_integer or integral(e.base)):
                 return self._divided(quotient((e,)))
             base = self.run(e.base)

@@ -68,7 +68,7 @@ import sympy
 from sympy.printing.codeprinter import CodePrinter
 
 from maskc.trace import dag
-from maskc.trace.proxy import integral, quotient
+from maskc.trace.proxy import integral, multiplied_out, quotient
 from maskc.trace.symbols import B, H, KV_IDX, Q_IDX, SCORE, LoadBool, LoadFloat, LoadInt
 
 _NAMES = {B: "off_b", H: "off_h", Q_IDX: "q_idx", KV_IDX: "kv_idx", SCORE: "score"}
@@ -401,8 +401,8 @@ class TritonPrinter(CodePrinter):
     def _print_Pow(self, e):
         base, exp = e.args
         # score**2.0 is score * score, as in torch; past 64 factors, the general rule below
-        if exp.is_Number and exp.is_finite and float(exp).is_integer() and abs(float(exp)) <= 64:
-            n = int(exp)
+        n = multiplied_out(exp)
+        if n is not None:
             if n == 0:
                 return _atom("1")
             if n < 0 and _integer(base):  # 1 / d of an integer d: torch's true division of integers

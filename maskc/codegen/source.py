@@ -89,8 +89,7 @@ def fuses_multiply_add(*exprs) -> bool:
     FMA does not, so `3 / (kv_idx + 1) >= t[q_idx]` (printed `-t + rcp * 3 >= 0`, fused to
     fma(rcp, 3, -t)) dropped pairs at exact ties that torch keeps. The templates write their
     own FMAs explicitly (tl.math.fma), so turning fusion off costs them nothing."""
-    return not any(not all(map(integral, node.args))
-                   for e in exprs if e is not None for node in dag.atoms(e, *_DECISIONS))
+    return all(all(map(integral, node.args)) for e in exprs if e is not None for node in dag.atoms(e, *_DECISIONS))
 
 
 def merge(mask: Traced | None, score: Traced | None):

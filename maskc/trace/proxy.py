@@ -282,6 +282,15 @@ def quotient(factors):
     return numerator, denominator, sympy.S.One
 
 
+def multiplied_out(exp) -> int | None:
+    """The n of x**n where the printer and the dense evaluator multiply x out n times (a
+    reciprocal of the product where n < 0): an integer exponent, written as one or as a float
+    (score**2.0), from -64 to 64; else None."""
+    if exp.is_Number and exp.is_finite and float(exp).is_integer() and abs(float(exp)) <= 64:
+        return int(exp)
+    return None
+
+
 def _divisor(e) -> bool:
     # d**-n with n a literal from 1 to 64 (the powers a printer multiplies out), d not a number
     # (a number's reciprocal is a literal)
