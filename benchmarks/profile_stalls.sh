@@ -2,7 +2,8 @@
 # Nsight Compute stall profiles of the Gluon kernels (see profile_stalls.py), one report each:
 #   bash benchmarks/profile_stalls.sh                  # the default cases below
 #   CASES="bwd128:no mask" bash benchmarks/profile_stalls.sh
-# A case is KIND:WORKLOAD with KIND fwd64, fwd128, bwd64 or bwd128. The CSVs land in $OUT
+# A case is KIND:WORKLOAD with KIND fwd64, fwd128, bwd64 or bwd128 (the Gluon kernels), or tfw64,
+# tfw128 for the Triton-language forward (run with MASKC_GLUON=0). The CSVs land in $OUT
 # (or /tmp/stalls) and profile_stalls.py report prints the tables from them.
 set -e
 out=${OUT:-/tmp/stalls}
@@ -19,7 +20,13 @@ for case in "${cases[@]}"; do
   dim=${kind:3}
   label="${kind}_${workload// /_}"
   label=${label//[^A-Za-z0-9_.-]/}  # only these characters come back from the GPU machine
-  if [ "${kind:0:3}" = bwd ]; then kernel=attention_bwd_dkdv_hopper; extra=--backward; else kernel=attention_fwd_hopper; extra=; fi
+  gluon=1
+  case "${kind:0:3}" in
+    bwd) kernel=attention_bwd_dkdv_hopper; extra=--backward ;;
+    tfw) kernel='^attention_fwd$'; extra=; gluon=0 ;;
+    *) kernel=attention_fwd_hopper; extra= ;;
+  esac
+  export MASKC_GLUON=$gluon
   # compile outside the profiler first, so that ncu times no compilation and replays one launch
   (cd /tmp && python3 "$here/benchmarks/profile_stalls.py" run --dim "$dim" --workload "$workload" $extra --steps 1)
   rm -f "$reports/$label.ncu-rep"  # not an earlier run's report, below

@@ -340,7 +340,7 @@ _OF_QUOTIENTS = (sympy.floor, sympy.ceiling, sympy.Mod, Trunc)
 @dag.identity_cache(maxsize=1 << 16)
 def exact(e) -> bool:
     """Whether torch computes `e` without rounding: integer arithmetic, with the rationals that
-    proxy.exact reads float literals as, and integer quotients under floor, ceiling, trunc and
+    proxy.as_spelled reads float literals as, and integer quotients under floor, ceiling, trunc and
     %. Only a comparison of such values may move terms across (expanded, cleared) and be
     decided by sympy: (q_idx - kv_idx) * 0.1 rounds otherwise than 0.1*q_idx - 0.1*kv_idx,
     and sympy's sign of a reciprocal of positions is wrong (dag.misleads_sympy)."""

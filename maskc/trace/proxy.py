@@ -402,7 +402,7 @@ def mul(a, b) -> Proxy:
 _SPELLED_LIMIT = 1024
 
 
-def exact(x):
+def as_spelled(x):
     """Index arithmetic `x` (integers and float literals only) with each literal as the
     rational it spells: 0.1 as 1/10, 1/7.0 as 1/7. For the operations whose result jumps
     at integers (floor, ceil, trunc, %, comparisons): sympy writes (q_idx - kv_idx) * 0.1 as
@@ -431,11 +431,11 @@ def power(a, b):
 
 
 def floor(x):
-    return dag.make(sympy.floor, exact(x))
+    return dag.make(sympy.floor, as_spelled(x))
 
 
 def ceiling(x):
-    return dag.make(sympy.ceiling, exact(x))
+    return dag.make(sympy.ceiling, as_spelled(x))
 
 
 def floordiv(a, b):
@@ -451,12 +451,12 @@ def float32_exact(m) -> bool:
 
 
 def mod(a, b):
-    return dag.make(sympy.Mod, exact(a), exact(b)) if float32_exact(b) else dag.make(sympy.Mod, a, b)
+    return dag.make(sympy.Mod, as_spelled(a), as_spelled(b)) if float32_exact(b) else dag.make(sympy.Mod, a, b)
 
 
 def trunc(x):
     """x rounded toward zero: C's integer division and float-to-integer conversion."""
-    x = exact(x)
+    x = as_spelled(x)
     if integral(x):
         return x
     if x.is_Number:
@@ -466,7 +466,7 @@ def trunc(x):
 
 def round_half_even(x, decimals: int = 0) -> Proxy:
     """torch.round and Python's round(): halves go to the even neighbour."""
-    e = exact(number(wrap(x)))
+    e = as_spelled(number(wrap(x)))
     if integral(e) and decimals >= 0:
         return Proxy(e)
     scaled = e * sympy.Integer(10) ** decimals
@@ -485,7 +485,7 @@ def compare(a, b, rel) -> Proxy:
         # Eq of two conditions would be Eq of 0/1 Piecewise, which no later stage can read
         differ = parity(pa.expr, pb.expr)
         return Proxy(differ if rel is sympy.Ne else negation(differ))
-    return Proxy(relation(rel, exact(number(pa)), exact(number(pb))))
+    return Proxy(relation(rel, as_spelled(number(pa)), as_spelled(number(pb))))
 
 
 _BOOLEAN_OPS = {"&": conjunction, "|": disjunction, "^": parity}
