@@ -286,8 +286,6 @@ FULLGRAPH = ("maskc.flex_attention under torch.compile(fullgraph=True) refuses a
              "the project made as a plain function (documented in README; torch runs it)")
 
 
-@pytest.mark.xfail(strict=True, reason="torch.compile(maskc.create_block_mask) traces into maskc's analysis and "
-                                       "crashes in Dynamo (AssertionError: frozenset not in co_names)")
 def test_torchtitan_compiled_create_block_mask():
     """torchtitan: _compiled_create_block_mask = torch.compile(create_block_mask), called on
     and_masks(causal, document) by get_attention_masks; FlexAttentionWrapper compiles flex_attention."""
@@ -299,25 +297,58 @@ def test_torchtitan_compiled_create_block_mask():
     _close(out, attention_reference(q, k, v, mask_mod=mask_mod)[0], "output")
 
 
-@pytest.mark.xfail(strict=True, reason=FULLGRAPH + "; the mask_mod is made inside the compiled forward, where "
-                                       "the documented fix (maskc.mask_mod) does not work either")
+def _nanogpt_forward(input_seq, q, k, v, window):
+    long_bm, short_bm = cp.create_blockmasks(None, input_seq, window)
+    return maskc.flex_attention(q, k, v, block_mask=long_bm, scale=0.12)
+
+
+@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.Unsupported,
+                   reason=FULLGRAPH + "; the mask_mod is made inside the compiled forward, so no wrapping outside "
+                                      "can reach it (test_fullgraph_refusal_names_the_fix)")
 def test_modded_nanogpt_compiled_fullgraph():
     """train_gpt.py: model = torch.compile(model, dynamic=False, fullgraph=True); forward calls
     create_blockmasks and flex_attention."""
-    seq = _nanogpt_tokens(256)
+    _check_nanogpt(torch.compile(_nanogpt_forward, dynamic=False, fullgraph=True, backend="eager"))
 
-    def forward(input_seq, q, k, v, window):
-        long_bm, short_bm = cp.create_blockmasks(None, input_seq, window)
-        return maskc.flex_attention(q, k, v, block_mask=long_bm, scale=0.12)
 
-    q, k, v, _ = _qkv(1, 256, 256)
-    window = torch.tensor(1, dtype=torch.int32)
-    out = torch.compile(forward, dynamic=False, fullgraph=True, backend="eager")(seq, q, k, v, window)
-    keep = _as_kernels_read(cp.create_blockmasks(None, seq, window)[0], 256, 256)
+def test_modded_nanogpt_compiled():
+    """The same forward compiled without fullgraph: maskc's part runs outside the graph."""
+    _check_nanogpt(torch.compile(_nanogpt_forward, dynamic=False, backend="eager"))
+
+
+def _check_nanogpt(forward):
+    seq = _nanogpt_tokens(384)
+    q, k, v, _ = _qkv(1, 384, 384)
+    window = torch.tensor(2, dtype=torch.int32)
+    out = forward(seq, q, k, v, window)
+    keep = _as_kernels_read(cp.create_blockmasks(None, seq, window)[0], 384, 384)
     _close(out, attention_reference(q, k, v, mask_mod=_reads(keep), scale=0.12)[0], "output")
 
 
-@pytest.mark.xfail(strict=True, reason=FULLGRAPH + "; get_mask_mod wraps it inside the compiled step")
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "wrapped inside"])
+def test_fullgraph_refusal_names_the_fix(wrapped):
+    """A mod made inside a fullgraph region (modded-nanogpt, gpt-fast) is refused by Dynamo with
+    maskc's reason, which says where to make the mod; wrapping it with maskc.mask_mod there, as
+    the first refusal says, gets the second, not an internal error from tracing maskc."""
+    docs = torch.tensor([0] * 20 + [1] * 44)
+
+    def forward(q, k, v):
+        def document_causal(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
+        mask_mod = maskc.mask_mod(document_causal) if wrapped else document_causal
+        block_mask = maskc.BlockMask.from_kv_blocks(torch.ones(1, 1, 1, dtype=torch.int32),
+                                                    torch.zeros(1, 1, 1, 1, dtype=torch.int32), BLOCK_SIZE=128,
+                                                    mask_mod=mask_mod, seq_lengths=(64, 64))
+        return maskc.flex_attention(q, k, v, block_mask=block_mask)
+
+    q, k, v, _ = _qkv(1, 64, 64)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="maskc") as refused:
+        torch.compile(forward, fullgraph=True, backend="eager")(q, k, v)
+    assert "outside the compiled function" in str(refused.value) and "fullgraph" in str(refused.value)
+
+
+@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.Unsupported,
+                   reason=FULLGRAPH + "; get_mask_mod wraps it inside the compiled step")
 def test_gpt_fast_compiled_decode_fullgraph():
     """generate.py: decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)."""
     block_mask = cp.from_decode_n_tokens(256)
@@ -332,10 +363,23 @@ def test_gpt_fast_compiled_decode_fullgraph():
     _close(out, attention_reference(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= 200)[0], "output")
 
 
-@pytest.mark.xfail(strict=True, reason=FULLGRAPH + " (vLLM: flex_attention_compiled = torch.compile(flex_attention, "
-                                       "fullgraph=True))")
+@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.Unsupported,
+                   reason=FULLGRAPH + " (vLLM: flex_attention_compiled = torch.compile(flex_attention, "
+                                       "fullgraph=True)); test_vllm_compiled_fullgraph_wrapped is the fix")
 def test_vllm_compiled_fullgraph():
+    _check_vllm_fullgraph(_vllm(score_mod=_vllm_user_score_mod))
+
+
+def test_vllm_compiled_fullgraph_wrapped():
+    """The fix maskc's refusal names, applied where vLLM makes its mods (__post_init__, outside
+    the compiled call): each wrapped once with maskc.mask_mod / maskc.score_mod."""
     md = _vllm(score_mod=_vllm_user_score_mod)
+    md.mask_mod = maskc.mask_mod(md.mask_mod)
+    md.transformed_score_mod = maskc.score_mod(md.transformed_score_mod)
+    _check_vllm_fullgraph(md)
+
+
+def _check_vllm_fullgraph(md):
     block_mask = md._build_block_mask_direct()
     q, k, v, _ = _qkv(1, 25, 128)
     out = torch.compile(maskc.flex_attention, fullgraph=True, backend="eager")(

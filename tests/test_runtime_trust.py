@@ -425,3 +425,52 @@ def test_scores_below_the_log2_range_count_as_minus_infinity():
     out, lse = maskc.compiled_attention(q, k, v, score_mod=padding, return_lse=True)
     assert (out[:, :, :5] == 0).all() and torch.isneginf(lse[:, :, :5]).all()
     assert_close_to_reference(out[:, :, 5:], ref[:, :, 5:])
+
+
+# A score below this, in log2 units past float32's range, is -inf in the kernels (FlexAttention's
+# compiled kernels read it so too): README, "semantics that differ".
+_BELOW_LOG2_RANGE = -torch.finfo(torch.float32).max / 1.4426950408889634
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len", [40, 1], ids=["prefill", "decode"])
+def test_a_row_of_scores_below_the_log2_range_is_empty(dtype, q_len):
+    """transformers' additive masks fill dropped pairs with finfo(dtype).min: a padded query row
+    has every score there. Such a row is empty (out 0, lse -inf, no gradient), as the rule says,
+    and the other rows, whose dropped pairs are as low, agree with the reference."""
+    q, k, v = (t.to(dtype) for t in _qkv(Lq=q_len, Lkv=40))
+    bias = torch.zeros(1, 1, q_len, 40).masked_fill(torch.rand(1, 1, q_len, 40, generator=torch.Generator()
+                                                               .manual_seed(3)) < 0.3, torch.finfo(dtype).min)
+    bias[..., 0, :] = torch.finfo(dtype).min  # the first query: padded, every key dropped
+    bias[..., 1:, 0] = 0.0  # the others keep a key
+
+    def additive(score, b, h, q_idx, kv_idx):
+        return score + bias[b][0][q_idx][kv_idx]
+
+    def as_the_kernels_read(score, b, h, q_idx, kv_idx):
+        s = additive(score, b, h, q_idx, kv_idx)
+        return torch.where(s < _BELOW_LOG2_RANGE, float("-inf"), s)
+
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = maskc.compiled_attention(q, k, v, score_mod=additive, return_lse=True)
+    assert torch.all(out[:, :, 0] == 0) and torch.all(torch.isneginf(lse[:, :, 0]))
+    ref, ref_lse = attention_reference(q, k, v, score_mod=as_the_kernels_read)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+    torch.testing.assert_close(lse[:, :, 1:].double(), ref_lse[:, :, 1:], atol=1e-4, rtol=1e-5)
+    if q_len > 1:
+        dq, = torch.autograd.grad(out, (q,), torch.ones_like(out))
+        assert torch.all(dq[:, :, 0] == 0)
+
+
+def test_float64_inputs_keep_a_row_of_float32_lowest_scores():
+    """In float64 the kernels scale scores in float64, whose range holds float32's lowest times
+    log2(e): the row is uniform, as the reference's."""
+    q, k, v = (t.double() for t in _qkv(Lq=8, Lkv=40))
+
+    def padded_first_row(score, b, h, q_idx, kv_idx):
+        return score + torch.where(q_idx == 0, torch.finfo(torch.float32).min, 0.0)
+
+    out = maskc.compiled_attention(q, k, v, score_mod=padded_first_row)
+    ref, _ = attention_reference(q, k, v, score_mod=padded_first_row)
+    torch.testing.assert_close(out, ref, atol=1e-9, rtol=0)
+    torch.testing.assert_close(out[:, :, 0], v.mean(dim=2), atol=1e-9, rtol=0)

@@ -18,6 +18,7 @@ import numpy as np
 import sympy
 import torch
 
+from maskc._graph import outside_graph
 from maskc.analysis import dense
 from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.classify import EMPTY, FULL, PARTIAL, _Undecidable, classify_grid
@@ -46,6 +47,14 @@ def block_map(mask_mod, q_len: int, kv_len: int, *, block_size=(128, 128), B: in
     """
     mm = as_mask_mod(mask_mod)
     return block_map_of_trace(mm, mm.traced, q_len, kv_len, block_size=block_size, B=B, H=H, device=device)
+
+
+# Dynamo cannot trace maskc's analysis (sympy, numpy): called inside compiled code it runs
+# outside the graph (a graph break), which fullgraph=True refuses with this reason.
+IN_PYTHON = ("maskc analyses a mask in Python, outside torch.compile's graph; with fullgraph=True build the "
+             "block map (or block mask) outside the compiled function, once for its lengths, and pass it in, or "
+             "compile without fullgraph")
+block_map = outside_graph(block_map, IN_PYTHON)
 
 
 def _length(name: str, value) -> int:

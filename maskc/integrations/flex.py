@@ -20,9 +20,11 @@ import torch
 import torch.nn.attention.flex_attention as torch_flex
 
 from maskc.analysis import BlockMap, block_map
+from maskc.analysis.build import IN_PYTHON as ANALYSED_IN_PYTHON
 from maskc.masks import and_masks, or_masks
 from maskc.runtime import compiled_attention
-from maskc.runtime.api import CAPTURED_GRADIENTS, captured_need_grad, outside_graph, plain_function
+from maskc._graph import outside_graph
+from maskc.runtime.api import CAPTURED_GRADIENTS, PLAIN_FUNCTION, captured_need_grad, plain_function
 from maskc.runtime.tiles import MAX_TILE, check_block_size
 from maskc.trace import MaskMod, as_mask_mod
 
@@ -98,8 +100,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     return out, torch_flex.AuxOutput(lse=lse, max_scores=None)
 
 
-_flex_attention_outside_graph = outside_graph(flex_attention)
-_flex_attention_for_gradients = outside_graph(flex_attention, reason=CAPTURED_GRADIENTS)
+_flex_attention_outside_graph = outside_graph(flex_attention, PLAIN_FUNCTION)
+_flex_attention_for_gradients = outside_graph(flex_attention, CAPTURED_GRADIENTS)
 
 
 def _no_op(block_mask) -> bool:
@@ -134,6 +136,10 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     B, H = (1 if n is None else n for n in (B, H))
     analysed = block_map(mask_mod, Q_LEN, KV_LEN, block_size=BLOCK_SIZE, B=B, H=H, device=device)
     return analysed.to_flex_block_mask(B, H, separate_full_blocks=separate_full_blocks)
+
+
+# torchtitan and vLLM call torch.compile(create_block_mask): the analysis runs outside the graph
+create_block_mask = outside_graph(create_block_mask, ANALYSED_IN_PYTHON)
 
 
 def converted(block_mask) -> BlockMap:

@@ -28,7 +28,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
 import maskc
-from maskc.runtime.api import outside_graph
+from maskc._graph import outside_graph
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
 
 
 # (torch.compiler.disable's decorator takes reason= from torch 2.8 only: outside_graph decides)
-layer_mask = outside_graph(layer_mask, reason="maskc traces the model's mask function in Python, once per forward pass")
+layer_mask = outside_graph(layer_mask, "maskc traces the model's mask function in Python, once per forward pass")
 
 
 class _StepMask:

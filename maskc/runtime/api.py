@@ -1,10 +1,9 @@
 """The runtime's public functions: compiled_attention(), paged_attention() and compile()."""
 from __future__ import annotations
 
-import inspect
-
 import torch
 
+from maskc._graph import outside_graph
 from maskc.analysis.blockmap import BlockMap
 from maskc.runtime import decode, launch, ops, plan
 from maskc.runtime.autograd import AttentionFunction, NoPairs
@@ -22,8 +21,9 @@ from maskc.trace.mods import MaskMod, ScoreMod, as_mask_mod, as_score_mod
 # path and Triton's interpreter, crashing and leaving the compiled function broken for later
 # calls.
 PLAIN_FUNCTION = ("maskc: a plain function as mask_mod or score_mod runs outside the graph; decorate it with "
-                  "@maskc.mask_mod or @maskc.score_mod, or wrap it once outside the compiled code (maskc.mask_mod(fn)), "
-                  "to keep the call in the graph")
+                  "@maskc.mask_mod or @maskc.score_mod, or wrap it once outside the compiled function "
+                  "(maskc.mask_mod(fn)), to keep the call in the graph (with fullgraph=True, the only way: a mod "
+                  "made inside the compiled function cannot be traced there)")
 # Where a mod's captured tensor requires grad: the operators' autograd has no inputs for it, but
 # the eager autograd Function has, so the call runs outside the graph too (it had been refused
 # there, which Dynamo took for a graph break, crashing in Triton's interpreter on CPU).
@@ -139,17 +139,9 @@ def paged_attention(q, cache: PagedKVCache, seq_ids, *, mask_mod=None, score_mod
     return (out, lse) if return_lse else out
 
 
-def outside_graph(fn, reason: str = PLAIN_FUNCTION):
-    """`fn` as Dynamo runs it: outside the graph, saying `reason` where this torch can (2.8 and
-    later; maskc supports 2.5). Made at import: Dynamo refuses to trace torch.compiler.disable."""
-    if "reason" in inspect.signature(torch.compiler.disable).parameters:
-        return torch.compiler.disable(fn, reason=reason)
-    return torch.compiler.disable(fn)
-
-
-_compiled_attention_outside_graph = outside_graph(compiled_attention)
-_compiled_attention_for_gradients = outside_graph(compiled_attention, reason=CAPTURED_GRADIENTS)
-_paged_attention_outside_graph = outside_graph(paged_attention)
+_compiled_attention_outside_graph = outside_graph(compiled_attention, PLAIN_FUNCTION)
+_compiled_attention_for_gradients = outside_graph(compiled_attention, CAPTURED_GRADIENTS)
+_paged_attention_outside_graph = outside_graph(paged_attention, PLAIN_FUNCTION)
 
 
 def compile(mask_mod=None, score_mod=None, *, dtype=torch.bfloat16, head_dim: int = 128,

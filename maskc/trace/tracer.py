@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
+from maskc._graph import outside_graph
 from maskc.errors import MaskTraceError
 from maskc.trace import _context, dag
 from maskc.trace.canonical import canonicalize
@@ -626,6 +627,15 @@ def retraced(fn, kind: str, old: Traced) -> Traced:
     a new window), which leave the expression as it is; otherwise a new trace."""
     renewed = _with_new_values(old)
     return renewed if renewed is not None else trace(fn, kind)
+
+
+# Dynamo cannot trace maskc's tracer (sympy): a mod made or traced again inside compiled code
+# is traced outside the graph (a graph break), which fullgraph=True refuses with this reason.
+_IN_PYTHON = ("maskc traces a mask_mod or score_mod in Python, outside torch.compile's graph; with "
+              "fullgraph=True make the mod and wrap it with maskc.mask_mod / maskc.score_mod outside the "
+              "compiled function (its captured tensors may change between calls), or compile without fullgraph")
+trace = outside_graph(trace, _IN_PYTHON)
+retraced = outside_graph(retraced, _IN_PYTHON)
 
 
 def _with_new_values(old: Traced) -> Traced | None:
