@@ -222,8 +222,11 @@ class BlockMap:
         block_size = (block_size, block_size) if isinstance(block_size, int) else tuple(int(b) for b in block_size)
         n_q, n_kv = -(-q_len // block_size[0]), -(-kv_len // block_size[1])
         if num.shape[-1] < n_q:
-            raise ValueError(f"block_mask has {num.shape[-1]} rows of q blocks, but Q_LEN={q_len} with "
-                             f"BLOCK_SIZE={block_size} makes {n_q}; build it with create_block_mask for its lengths")
+            raise ValueError(f"block_mask has {num.shape[-1]} rows of q blocks, but its seq_lengths "
+                             f"{(q_len, kv_len)} with BLOCK_SIZE={block_size} make {n_q}: a slice "
+                             f"(block_mask[:, :, i]) keeps the lengths of the mask it was cut from; set them to "
+                             f"the call's (block_mask.seq_lengths = (q_len, kv_len)), or build it with "
+                             f"create_block_mask for its lengths")
         if num.shape[-1] > n_q:
             # made for more queries (torch's decoding idiom: a mask of the whole cache, seq_lengths set
             # to (1, KV_LEN)): its first rows serve, as FlexAttention's kernel reads them
