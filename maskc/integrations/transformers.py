@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -68,8 +69,12 @@ class LayerMask:
         # and Python then asks these)
         raise TypeError(_READ_AS_TENSOR.format("arithmetic on it"))
 
+    def __getitem__(self, index):
+        # Gemma 4's KV-shared layers slice the mask's queries: mask[:, :, -n:, :]
+        raise TypeError(_READ_AS_TENSOR.format("indexing it"))
+
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _arithmetic
-    __and__ = __rand__ = __or__ = __ror__ = __pow__ = __getitem__ = __invert__ = __neg__ = _arithmetic
+    __and__ = __rand__ = __or__ = __ror__ = __pow__ = __invert__ = __neg__ = _arithmetic
 
 
 _READ_AS_TENSOR = ("this model works on its attention mask as a tensor ({}), but maskc's backend hands each layer "
@@ -131,9 +136,13 @@ class _StepMask:
 
     transformers makes its mask functions anew on every forward pass. One _StepMask, and its
     MaskMod, serves every pass whose mask function has the same structure (the same code,
-    composed the same way): each pass rebinds the function, offsets and padding, which maskc's
-    trace guards re-read, so the kernel and the MaskMod stay and only the values change. A
-    compiled graph, which names the MaskMod, then runs again instead of recompiling each pass.
+    composed the same way) and is built at the same place of the model's code: each pass
+    rebinds the function, offsets and padding, which maskc's trace guards re-read, so the kernel
+    and the MaskMod stay and only the values change. A compiled graph, which names the MaskMod,
+    then runs again instead of recompiling each pass. The place keeps apart the masks one pass
+    builds before its layers read them: Blip-2's Q-Former builds its self-attention mask and then
+    its cross-attention mask, both bidirectional with padding, and with one _StepMask for both
+    its self-attention had read the image's padding.
     """
 
     _interned = threading.local()
@@ -145,7 +154,7 @@ class _StepMask:
     @classmethod
     def of(cls, mask_function, padding, q_offset: int, kv_offset: int) -> maskc.MaskMod:
         table = cls._interned.__dict__.setdefault("table", {})
-        key = (_structure(mask_function), padding is None)
+        key = (_structure(mask_function), padding is None, _call_site())
         found = table.get(key)
         if found is None:
             found = table[key] = maskc.MaskMod(cls(mask_function, padding, q_offset, kv_offset),
@@ -160,6 +169,20 @@ class _StepMask:
         kv = kv_idx + self.kv_offset
         kept = self.mask_function(b, h, q_idx + self.q_offset, kv)
         return kept if self.padding is None else kept & self.padding[b, kv]
+
+
+def _call_site() -> tuple:
+    """Where the model asked for this mask: the code and instruction of the first caller outside
+    transformers' mask building and its decorators (transformers.utils: deprecated keywords),
+    maskc and torch (Dynamo's frames under torch.compile); the same on every forward pass,
+    different for each mask a pass builds."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_MASK_BUILDERS):
+        frame = frame.f_back
+    return (frame.f_code, frame.f_lasti) if frame is not None else ()
+
+
+_MASK_BUILDERS = ("maskc", "transformers.masking_utils", "transformers.utils", "torch")
 
 
 def _structure(fn) -> tuple:
