@@ -5,8 +5,13 @@ CUDA, forward and backward, against the float64 reference.
     bash benchmarks/run_gpu.sh benchmarks/check_gpu_compat.py          # needs attn-gym importable
     bash benchmarks/run_gpu.sh benchmarks/check_gpu_compat.py 2/8      # the second of eight shards
     bash benchmarks/run_gpu.sh benchmarks/check_gpu_compat.py --gluon  # FlexAttention's mods, Gluon kernels
+    bash benchmarks/run_gpu.sh benchmarks/check_gpu_compat.py --projects [--bf16] [--only REGEX]  # transformers', projects'
 
 Compiling each case's kernels takes seconds, so shards can run as parallel processes.
+
+--projects runs the mods of tests/test_compat_transformers_masks.py (transformers' own mask and
+score functions; needs transformers) and tests/test_compat_projects.py (torchtitan, torchtune,
+vLLM, Lingua, gpt-fast) the same way, at their test lengths.
 
 --gluon runs FlexAttention's test mods (tests/compat_mods.py) through the Gluon Hopper kernels
 (MASKC_GLUON=always; they need at least 64 queries and 128 keys): each case at GLUON_SCALE
@@ -23,9 +28,11 @@ that fails or is refused, and a count; exits non-zero if any case fails.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -84,25 +91,78 @@ def moved(value, seen):
         return value.cuda()
     if isinstance(value, (list, tuple)):
         return type(value)(moved(v, seen) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and id(value) not in seen:
+        seen.add(id(value))  # an object the mod reads attributes of (vLLM's metadata): its tensors, in place
+        for name, attribute in vars(value).items():
+            if isinstance(attribute, torch.Tensor):
+                setattr(value, name, attribute.cuda())
+        return value
     if callable(value) and not isinstance(value, type):
         to_cuda(value, seen)
     return value
 
 
 def run(case, dtype) -> str | None:
-    mask_mod, score_mod = (to_cuda(m) for m in compat.mods(case))
+    return run_mods(*compat.mods(case), case.B, case.q_len, case.kv_len, dtype)
+
+
+def run_mods(mask_mod, score_mod, B, q_len, kv_len, dtype, reference_score=None) -> str | None:
+    """The mods compiled on CUDA against the float64 reference (which takes `reference_score`
+    for the score_mod where given)."""
+    mask_mod, score_mod, reference_score = (to_cuda(m) for m in (mask_mod, score_mod, reference_score))
     g = torch.Generator(device="cuda").manual_seed(0)
-    shape_q = (case.B, compat.HEADS, case.q_len, 64)
-    shape_kv = (case.B, compat.HEADS, case.kv_len, 64)
+    shape_q = (B, compat.HEADS, q_len, 64)
+    shape_kv = (B, compat.HEADS, kv_len, 64)
     q, k, v = (torch.randn(s, generator=g, device="cuda").to(dtype).requires_grad_()
                for s in (shape_q, shape_kv, shape_kv))
     do = torch.randn(shape_q, generator=g, device="cuda").to(dtype)
     out, lse = maskc.compiled_attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), do)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = attention_reference(q64, k64, v64, mask_mod=mask_mod, score_mod=score_mod)
+    ref, ref_lse = attention_reference(q64, k64, v64, mask_mod=mask_mod, score_mod=reference_score or score_mod)
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
     return compared((out, lse, *grads), (ref, ref_lse, *ref_grads), dtype)
+
+
+def project_runs():
+    """(id, runner of one dtype) of every project and transformers case."""
+    import test_compat_projects as projects
+    runs = [(c.id, functools.partial(lambda c, dtype: run_mods(c.build(), None, c.B, c.q_len, c.kv_len, dtype), c))
+            for c in projects.MASKS]
+    try:
+        import test_compat_transformers_masks as hf
+    except Exception as e:  # noqa: BLE001 - transformers absent or another version: say so, run the rest
+        print(f"transformers cases not run: {type(e).__name__}: {str(e)[:120]}")
+        return runs
+
+    def run_hf(c, dtype):
+        b = hf.built(c)
+        reference = hf._as_the_kernels_read(b.score_mod) if c.padded_rows else None
+        return run_mods(b.mask_mod, b.score_mod, hf.BATCH, b.q_len, b.kv_len, dtype, reference)
+    return runs + [(c.id, functools.partial(run_hf, c)) for c in hf.CASES]
+
+
+def main_projects(dtypes, only: str | None) -> None:
+    import re
+
+    import pytest
+    failures = 0
+    cases = [(i, r) for i, r in project_runs() if only is None or re.search(only, i)]
+    for case_id, runner in cases:
+        for dtype in dtypes:
+            start = time.perf_counter()
+            try:
+                problem = runner(dtype=dtype)
+            except pytest.skip.Exception as e:  # a model this transformers does not ship
+                print(f"not run  {case_id:<48} {str(e)[:120]}")
+                break
+            except Exception as e:  # noqa: BLE001 - report every case, then fail the run
+                problem = f"{type(e).__name__}: {str(e)[:200]}"
+            print(f"{'FAIL' if problem else 'ok':<8} {case_id:<48} {str(dtype)[6:]:<9} "
+                  f"{problem or f'{time.perf_counter() - start:.1f} s'}", flush=True)
+            failures += bool(problem)
+    print(f"projects: {failures} failures of {len(cases)} cases × {len(dtypes)} dtypes")
+    sys.exit(1 if failures else 0)
 
 
 def compared(got, want, dtype) -> str | None:
@@ -163,6 +223,9 @@ def run_gluon(case) -> str | None:
 
 
 def main():
+    if "--projects" in sys.argv:  # --bf16: that dtype only (each case compiles its kernels: ~4 s a dtype)
+        only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+        return main_projects([torch.bfloat16] if "--bf16" in sys.argv else list(TOLERANCE), only)
     args = [a for a in sys.argv[1:] if a != "--gluon"]
     shard, shards = map(int, args[0].split("/")) if args else (1, 1)
     gluon = "--gluon" in sys.argv

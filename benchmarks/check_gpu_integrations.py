@@ -1,7 +1,7 @@
 """The integrations on a GPU: torch.compile (inductor), the FlexAttention drop-in and the Hugging
 Face backend, each checked against its reference on CUDA.
 
-    bash benchmarks/run_gpu.sh benchmarks/check_gpu_integrations.py [compile|flex|transformers ...]
+    bash benchmarks/run_gpu.sh benchmarks/check_gpu_integrations.py [compile|flex|scalars|transformers ...]
 
 Prints one line per check and the number of failures (exit status 1 when any failed).
 """
@@ -95,6 +95,39 @@ def check_flex():
     yield "flex drop-in under torch.compile(inductor, fullgraph): two BlockMasks, one graph, match torch's Flex"
 
 
+def check_cpu_scalars():
+    """0-d CPU tensors in mods run beside CUDA inputs, as in torch: one a mod makes
+    (transformers' Gemma 3 ORs `lambda *args: torch.tensor(True)` into its bidirectional mask)
+    and a captured one the caller changes in place."""
+    B, H, L, D = 2, 4, 300, 64
+    q, k, v = (torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    window = torch.tensor(40)
+    bias = torch.tensor(0.5)
+
+    def windowed_or_true(b, h, q_idx, kv_idx):
+        return ((q_idx - kv_idx).abs() < window) | ((kv_idx < 0) & torch.tensor(True))
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias * (q_idx >= kv_idx)
+
+    for w, c in ((40, 0.5), (7, -1.0)):
+        window.fill_(w), bias.fill_(c)
+        out = maskc.compiled_attention(q, k, v, mask_mod=windowed_or_true, score_mod=biased)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref, _ = attention_reference(q64, k64, v64, mask_mod=windowed_or_true, score_mod=biased)
+        assert_close_to_reference(out, ref, torch.bfloat16)
+        for g, r in zip(grads, torch.autograd.grad(ref, (q64, k64, v64), torch.ones_like(ref))):
+            assert_close_to_reference(g, r, torch.bfloat16)
+        yield f"CPU scalars in a mask and a score mod (window {w}, bias {c}): forward and gradients match"
+    out = maskc.compiled_attention(q[:, :, -1:].detach(), k.detach(), v.detach(), mask_mod=windowed_or_true,
+                                   kv_lens=torch.full((B,), L, device=DEV))
+    ref, _ = attention_reference(q[:, :, -1:].detach(), k.detach(), v.detach(),
+                                 mask_mod=lambda b, h, q_idx, kv_idx: windowed_or_true(b, h, q_idx + L - 1, kv_idx))
+    assert_close_to_reference(out, ref, torch.bfloat16)
+    yield "CPU scalars in decoding: match"
+
+
 def check_transformers():
     maskc_hf.register()
     config = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -137,7 +170,8 @@ def check_transformers():
 
 def main():
     failures = 0
-    checks = {"compile": check_compile, "flex": check_flex, "transformers": check_transformers}
+    checks = {"compile": check_compile, "flex": check_flex, "scalars": check_cpu_scalars,
+              "transformers": check_transformers}
     for check in [checks[name] for name in sys.argv[1:]] or checks.values():
         try:
             for line in check():

@@ -81,7 +81,7 @@ def block_map_of_trace(mm, traced, q_len: int, kv_len: int, *, block_size=(128, 
     n_h = _dim(mm, free, S.H, H, "H", "number of query heads")
     device = _normalise(torch.device(device) if device is not None else _tensor_device(traced.tensors))
     for i, t in enumerate(traced.tensors):
-        if t.device != device:
+        if t.device != device and not serves_any_device(t):
             raise ValueError(f"mask_mod '{mm.__name__}' captured tensor #{i} on {t.device} but the block map is "
                              f"built on {device}; move the tensor or pass device={t.device}")
     work = _work_device(traced, device)
@@ -136,7 +136,15 @@ def _normalise(device: torch.device) -> torch.device:
 
 
 def _tensor_device(tensors):
-    return tensors[0].device if tensors else torch.device("cpu")
+    placed = [t for t in tensors if not serves_any_device(t)]
+    return placed[0].device if placed else torch.device("cpu")
+
+
+def serves_any_device(t: torch.Tensor) -> bool:
+    """A 0-d CPU tensor: torch lets it meet tensors of any device, as a number, and so does maskc
+    (the kernels read a copy on their device). transformers' Gemma 3 makes one inside its
+    bidirectional mask (`lambda *args: torch.tensor(True)`)."""
+    return t.dim() == 0 and t.device.type == "cpu"
 
 
 class _Analysis:

@@ -114,7 +114,7 @@ def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: B
     splits = tiles.decode_splits() or choose_splits(rows, -(-widest // config.block_n), q.device)
     config = tiles.decode_config(D, q.device.type, Lq * (Hq // Hkv), split=splits > 1)
     found = Decode(m, s, 1.0 / math.sqrt(D) if scale is None else float(scale), B, Hq, Hkv, Lq, kv_cap, D, Dv,
-                   q.dtype, config, block_map, kernel_for("dec", m, s, q.dtype, q.device), plan.captured_args(m, s, q.dtype)[0], tables,
+                   q.dtype, config, block_map, kernel_for("dec", m, s, q.dtype, q.device), plan.captured_args(m, s, q.dtype, q.device)[0], tables,
                    splits)
     DECODES.put(key, found)
     return found

@@ -15,6 +15,7 @@ from maskc._slots import Slots
 from maskc._version import __version__
 from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.build import block_map_of_trace as build_block_map
+from maskc.analysis.build import serves_any_device
 from maskc.analysis.intervals import indices_nonnegative
 from maskc.codegen.printer import tensor_args
 from maskc.codegen.render import codegen_hash
@@ -132,15 +133,18 @@ def problem_of(q, k, v, mask, score, scale, traces, *, block_map: BlockMap | Non
     kernel = kernel_for("fwd", m, s, q.dtype, q.device, negative_indices=negative)
     if block_map is None:
         block_map = cached_block_map(mask, m, Lq, Lkv, chosen.sparse, B, Hq, q.device)
-    captured, tensors = captured_args(m, s, q.dtype, merged=(tensors, params))
+    captured, tensors = captured_args(m, s, q.dtype, q.device, merged=(tensors, params))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     return Problem(mask, m, s, scale, B, Hq, Hkv, Lq, Lkv, D, Dv, q.dtype, chosen, block_map, kernel, captured,
                    grad_slots, tuple(tensors[i] for i in grad_slots), negative)
 
 
-def captured_args(mask, score, dtype: torch.dtype, merged: tuple | None = None) -> tuple[dict, tuple]:
+def captured_args(mask, score, dtype: torch.dtype, device: torch.device,
+                  merged: tuple | None = None) -> tuple[dict, tuple]:
     """The kernels' arguments for the traces' captured tensors (each with its strides and sizes)
-    and parameters, by name, and the tensors in codegen's numbering. `dtype`: the inputs'. A
+    and parameters, by name, and the tensors in codegen's numbering. `dtype` and `device`: the
+    inputs' (a CPU scalar is read from a copy on `device`, made when the call is planned: a
+    plan is keyed by its tensors' versions, so a scalar changed in place is copied again). A
     float64 tensor of the score mod beside narrower inputs is read from a float32 copy, the
     kernels' arithmetic: a float64 score would meet the float32 accumulators (Triton refuses
     the mix) for a difference of one float32 rounding. The mask's are read as they are, as the
@@ -152,6 +156,8 @@ def captured_args(mask, score, dtype: torch.dtype, merged: tuple | None = None) 
     for slot, t in enumerate(tensors):
         narrowed = slot >= first_score_slot and t.dtype == torch.float64 and dtype != torch.float64
         read = t.detach().to(torch.float32) if narrowed else t
+        if serves_any_device(read) and device.type != "cpu":
+            read = read.to(device)
         args.update(zip(tensor_args(slot, t.dim()), (read, *read.stride(), *read.shape)))
     args.update((f"p{i}", p.value) for i, p in enumerate(params))
     return args, tensors
@@ -258,7 +264,9 @@ def check_captured(traces, device, *, gradients: bool = True) -> tuple[int, ...]
     slots, slot = [], 0
     for t in (t for t in traces if t is not None):
         for i, tensor in enumerate(t.tensors):
-            if tensor.device != device:
+            # a CPU scalar serves any device, as in torch (captured_args copies it), but for its
+            # gradient, which would land on the copy
+            if tensor.device != device and not (serves_any_device(tensor) and not tensor.requires_grad):
                 raise ValueError(f"{t.kind} '{t.name}' captured tensor #{i} lives on {tensor.device} but q is on "
                                  f"{device}; move the captured tensor to {device}")
             if tensor.requires_grad and torch.is_grad_enabled():
