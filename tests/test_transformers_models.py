@@ -290,13 +290,33 @@ REFUSALS = {
             r"works on its attention mask as a tensor \(its \.to\).*use attn_implementation='sdpa' or 'eager'"),
     "xglm": (dict(NO_HEAD_DIM, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128, dropout=0.0),
              AttributeError, r"works on its attention mask as a tensor \(its \.size\)"),
-    # Gemma 4 with KV-shared layers (E2B / E4B) slices the mask's queries (mask[:, :, -n:, :]) to
-    # keep only the last logits
-    "gemma4_text": (dict(BASE, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
-                         num_hidden_layers=4, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
-                         num_kv_shared_layers=2, global_head_dim=32), TypeError,
-                    r"works on its attention mask as a tensor \(indexing it\).*'sdpa' or 'eager'"),
 }
+
+
+def test_gemma4_kv_shared_layers_slice_their_mask():
+    """Gemma 4 with KV-shared layers (the E2B / E4B configs) keeps only the rows of the logits
+    asked for in those layers: mask[:, :, -n:, :] of each kind's mask (logits_to_keep n; 0
+    keeps every row), then generate()."""
+    pair = _pair("gemma4_text", dict(BASE, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                                     num_hidden_layers=4, hidden_size_per_layer_input=8,
+                                     vocab_size_per_layer_input=128, num_kv_shared_layers=2, global_head_dim=32),
+                 transformers.AutoModelForCausalLM)
+    ids = _tokens(2, 12)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    for keep in (1, 3, 0):
+        ours, theirs = (_run(m, input_ids=ids, attention_mask=mask, logits_to_keep=keep) for m in pair)
+        _close(ours, theirs)
+    _greedy(pair, input_ids=ids, attention_mask=mask, pad_token_id=0)
+
+
+def test_a_layer_mask_refuses_other_indexing():
+    from transformers.masking_utils import causal_mask_function
+
+    mask = maskc_hf.layer_mask(1, 6, 6, mask_function=causal_mask_function)
+    assert mask[:, :, -2:, :].q_len == 2
+    with pytest.raises(TypeError, match=r"as a tensor \(indexing it with \(0, 1\)\).*'sdpa' or 'eager'"):
+        mask[0, 1]
 
 
 @pytest.mark.parametrize("model_type", list(REFUSALS))

@@ -70,8 +70,15 @@ class LayerMask:
         raise TypeError(_READ_AS_TENSOR.format("arithmetic on it"))
 
     def __getitem__(self, index):
-        # Gemma 4's KV-shared layers slice the mask's queries: mask[:, :, -n:, :]
-        raise TypeError(_READ_AS_TENSOR.format("indexing it"))
+        """The mask of the last queries only, `mask[:, :, -n:, :]`: Gemma 4's KV-shared layers
+        keep the rows of the logits asked for (logits_to_keep). Any other index is refused."""
+        full = slice(None)
+        if isinstance(index, tuple) and len(index) == 4 and index[0] == index[1] == index[3] == full \
+                and isinstance(index[2], slice) and index[2].stop is None and index[2].step in (None, 1) \
+                and isinstance(index[2].start, (int, type(None))):
+            rows = range(self.q_len)[index[2]]
+            return _last_queries(self, rows.start, len(rows))
+        raise TypeError(_READ_AS_TENSOR.format(f"indexing it with {index!r}"))
 
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _arithmetic
     __and__ = __rand__ = __or__ = __ror__ = __pow__ = __invert__ = __neg__ = _arithmetic
@@ -128,6 +135,17 @@ def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
 
 # (torch.compiler.disable's decorator takes reason= from torch 2.8 only: outside_graph decides)
 layer_mask = outside_graph(layer_mask, "maskc traces the model's mask function in Python, once per forward pass")
+
+
+def _last_queries(mask: LayerMask, first: int, n: int) -> LayerMask:
+    """`mask` for its queries first .. first + n - 1: the same mask function, padding and keys,
+    the queries' offset moved on (a MaskMod of its own, as any mask built elsewhere)."""
+    step = mask.mask_mod.fn
+    return LayerMask(_StepMask.of(step.mask_function, step.padding, step.q_offset + first, step.kv_offset), n,
+                     mask.kv_len)
+
+
+_last_queries = outside_graph(_last_queries, "maskc traces the model's mask function in Python, once per forward pass")
 
 
 class _StepMask:
