@@ -358,7 +358,8 @@ def test_fixed_attention_tables_fail_inside_transformers(model_type, kwargs):
 # second's padding; the place the model builds each mask now keeps them apart.
 
 
-def test_qformer_with_padded_queries_and_padded_image_matches_eager():
+@pytest.mark.parametrize("queries_padded", [True, False], ids=["both padded", "image padded"])
+def test_qformer_with_a_padded_image_matches_eager(queries_padded):
     config = transformers.Blip2QFormerConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                              intermediate_size=128, attention_probs_dropout_prob=0.0,
                                              hidden_dropout_prob=0.0, encoder_hidden_size=64,
@@ -370,32 +371,12 @@ def test_qformer_with_padded_queries_and_padded_image_matches_eager():
     g = torch.Generator().manual_seed(1)
     queries, image = torch.randn(2, 6, 64, generator=g), torch.randn(2, 16, 64, generator=g)
     query_mask = torch.ones(2, 6, dtype=torch.long)
-    query_mask[0, 4:] = 0
+    query_mask[0, 4:] = 0 if queries_padded else 1  # unpadded: the query mask has no padding to capture
     image_mask = torch.ones(2, 16, dtype=torch.long)
     image_mask[1, 5:] = 0
     ours, theirs = (_run(m, query_embeds=queries, attention_mask=query_mask, encoder_hidden_states=image,
                          encoder_attention_mask=image_mask) for m in pair)
     _close(ours[query_mask.bool()], theirs[query_mask.bool()])
-
-
-def test_qformer_with_one_side_padded_matches_eager():
-    # the same model with only the image padded: the two masks intern under different keys
-    # (padding is None for the queries), so nothing is shared
-    config = transformers.Blip2QFormerConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                             intermediate_size=128, attention_probs_dropout_prob=0.0,
-                                             hidden_dropout_prob=0.0, encoder_hidden_size=64,
-                                             cross_attention_frequency=1, initializer_range=0.1)
-    torch.manual_seed(0)
-    pair = [transformers.Blip2QFormerModel._from_config(copy.deepcopy(config), attn_implementation=impl).eval()
-            for impl in ("maskc", "eager")]
-    pair[1].load_state_dict(pair[0].state_dict())
-    g = torch.Generator().manual_seed(1)
-    queries, image = torch.randn(2, 6, 64, generator=g), torch.randn(2, 16, 64, generator=g)
-    image_mask = torch.ones(2, 16, dtype=torch.long)
-    image_mask[1, 5:] = 0
-    ours, theirs = (_run(m, query_embeds=queries, encoder_hidden_states=image, encoder_attention_mask=image_mask)
-                    for m in pair)
-    _close(ours, theirs)
 
 
 def test_two_masks_of_one_structure_in_one_pass_keep_their_own_padding():
