@@ -400,11 +400,17 @@ def test_errors_say_what_a_block_mask_lists_wrongly():
         maskc.BlockMap.from_flex_block_mask(with_full(torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32)))
     once = with_full(torch.tensor([[[[1, 0], [0, 1]]]], dtype=torch.int32))
     assert maskc.BlockMap.from_flex_block_mask(once).num_full == 1
-    outside = torch_flex.BlockMask.from_kv_blocks(torch.tensor([[[1, 1]]], dtype=torch.int32),
-                                                  torch.tensor([[[[0, 1], [2, 0]]]], dtype=torch.int32),
-                                                  BLOCK_SIZE=32, seq_lengths=(64, 64))
-    with pytest.raises(ValueError, match=r"kv_indices lists a block outside \[0, 2\)"):
-        maskc.BlockMap.from_flex_block_mask(outside)
+    # a block past the keys holds none that FlexAttention attends (torch 2.13's _adjust keeps such
+    # full blocks): it is dropped; a negative index is refused
+    past = torch_flex.BlockMask.from_kv_blocks(torch.tensor([[[1, 1]]], dtype=torch.int32),
+                                               torch.tensor([[[[0, 1], [2, 0]]]], dtype=torch.int32),
+                                               BLOCK_SIZE=32, seq_lengths=(64, 64))
+    assert maskc.BlockMap.from_flex_block_mask(past).to_dense().tolist() == [[[[PARTIAL, EMPTY], [EMPTY, EMPTY]]]]
+    negative = torch_flex.BlockMask.from_kv_blocks(torch.tensor([[[1, 1]]], dtype=torch.int32),
+                                                   torch.tensor([[[[0, 1], [-1, 0]]]], dtype=torch.int32),
+                                                   BLOCK_SIZE=32, seq_lengths=(64, 64))
+    with pytest.raises(ValueError, match=r"kv_indices lists a negative block index"):
+        maskc.BlockMap.from_flex_block_mask(negative)
     with pytest.raises(ValueError, match="kv_num_blocks of shape \\[B, H, q_blocks\\]"):
         maskc.BlockMap.from_flex_block_mask(torch_flex.BlockMask.from_kv_blocks(
             torch.tensor([1, 1], dtype=torch.int32), torch.tensor([[0, 1], [1, 0]], dtype=torch.int32), BLOCK_SIZE=32))

@@ -286,8 +286,10 @@ class BlockMap:
 
     def kernel_rows(self, batch: int, heads: int) -> tuple[int, int]:
         """Row strides of b and h into the run tables for a launch of batch × heads programs."""
+        # a map of more batch rows serves fewer inputs with its first rows, as FlexAttention reads a
+        # BlockMask of the whole cache for one request (its decoding tests)
         for name, stored, given in (("B", self.B, batch), ("H", self.H, heads)):
-            if stored not in (1, given):
+            if stored != 1 and stored != given and not (name == "B" and stored > given):
                 raise ValueError(f"block_map was built for {name}={stored} but the inputs have {name}={given}; "
                                  f"build it with {name}={given}")
         return (self.H * self.n_q if self.B > 1 else 0, self.n_q if self.H > 1 else 0)
@@ -384,9 +386,12 @@ def _flex_grid(num, idx, n_kv: int, name: str) -> torch.Tensor:
     if num.numel() and int(num.max()) > idx.shape[-1]:
         raise ValueError(f"block_mask lists up to {int(num.max())} blocks in a row but {name} holds "
                          f"{idx.shape[-1]}; build it with BlockMask.from_kv_blocks or create_block_mask")
-    if bool((listed & ((idx < 0) | (idx >= n_kv))).any()):
-        raise ValueError(f"block_mask's {name} lists a block outside [0, {n_kv}), the kv blocks of its "
-                         f"KV_LEN and BLOCK_SIZE; build it with create_block_mask for its lengths")
+    if bool((listed & (idx < 0)).any()):
+        raise ValueError(f"block_mask's {name} lists a negative block index; build it with create_block_mask or "
+                         f"BlockMask.from_kv_blocks from block indices in [0, {n_kv})")
+    # blocks listed past the keys hold no key FlexAttention attends (its kernels mask keys past
+    # KV_LEN): torch 2.13's BlockMask._adjust keeps such full blocks when it crops the keys
+    listed &= idx < n_kv
     cols = torch.where(listed, idx.long(), n_kv)  # unlisted entries land in a spare last column
     count = torch.zeros(*idx.shape[:-1], n_kv + 1, dtype=torch.int32, device=idx.device)
     count.scatter_add_(-1, cols, listed.to(torch.int32))

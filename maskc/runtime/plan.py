@@ -211,6 +211,10 @@ def check_tensors(q, k, v, enable_gqa):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            raise TypeError(f"{name} is a nested (jagged) tensor, which maskc does not take; pad the sequences to "
+                            f"one length (padded keys masked out) or pack them into one with a document mask "
+                            f"(maskc.masks.document)")
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions [B, H, L, D], got shape {tuple(t.shape)}; "
                              f"add the missing batch or head dimension with unsqueeze")
