@@ -392,13 +392,20 @@ def test_attention(case):
     with time_limit(case, "compiled_attention forward and backward"):
         out, lse = maskc.compiled_attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, return_lse=True)
         grads = torch.autograd.grad(out, (q, k, v), do)
+    assert_agrees(out, lse, grads, (q, k, v, do), mask_mod, score_mod)
+
+
+def assert_agrees(out, lse, grads, inputs, mask_mod, score_mod):
+    """out, lse and the gradients (dq, dk, dv) of `inputs` (q, k, v, d_out) within TOL of the
+    float64 reference's. A bias on whole rows (bias[b][q_idx]) leaves out and its gradients
+    unchanged; the lse sees it."""
+    q, k, v, do = inputs
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref, ref_lse = attention_reference(q64, k64, v64, mask_mod=mask_mod, score_mod=score_mod)
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
     _close(out, ref, "output")
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         _close(got, want, name)
-    # A bias on whole rows (bias[b][q_idx]) leaves out and its gradients unchanged; the lse sees it.
     empty = torch.isneginf(ref_lse)
     assert torch.equal(torch.isneginf(lse), empty), "lse is -inf on other rows than the reference's"
     _close(lse[~empty], ref_lse[~empty], "lse")

@@ -27,9 +27,9 @@ from torch.nn.attention.flex_attention import flex_attention as torch_flex_atten
 import compat_projects as cp
 import maskc
 from maskc.testing import assert_block_map_exact, attention_reference, dense_mask
+from test_compat import _close  # the compatibility tests' elementwise check, at their TOL
 
 HEADS, DIM = 2, 16
-TOL = 1e-4
 EOS = 99
 
 
@@ -38,13 +38,6 @@ def _cache_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MASKC_CACHE_DIR", str(tmp_path_factory.mktemp("maskc_cache")))
         yield
-
-
-def _close(got, want, what):
-    got, want = got.detach().double(), want.detach()
-    assert not torch.isnan(got).any(), f"{what} has NaN"
-    scale = max(float(want.abs().max()), 1.0) if want.numel() else 1.0
-    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL * scale, msg=lambda m: f"{what}: {m}")
 
 
 def _qkv(B, q_len, kv_len, seed=0, grad=False):

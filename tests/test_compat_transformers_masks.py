@@ -50,11 +50,11 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from torch.nn.attention.flex_attention import create_mask  # noqa: E402
 
 import maskc  # noqa: E402
-from maskc.testing import assert_block_map_exact, attention_reference, dense_mask  # noqa: E402
+from maskc.testing import assert_block_map_exact, dense_mask  # noqa: E402
+from test_compat import _close, assert_agrees  # noqa: E402  (the compatibility tests' checks, at their TOL)
 
 BATCH, HEADS, Q_LEN, KV_LEN, DIM = 2, 2, 40, 56, 16
 BLOCK_SIZES = ((16, 16), (32, 8))
-TOL = 1e-4  # float32 kernel against the float64 reference, relative to the largest magnitude
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -461,14 +461,6 @@ def _inputs(b: Built, seed=0):
     return q, k, v, do
 
 
-def _close(got, want, what):
-    """Elementwise within TOL of the float64 value, relative to the largest magnitude; NaN never passes."""
-    got, want = got.detach().double(), want.detach()
-    assert not torch.isnan(got).any(), f"{what} has NaN at {torch.isnan(got).nonzero()[:3].tolist()}"
-    scale = max(float(want.abs().max()), 1.0) if want.numel() else 1.0
-    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL * scale, msg=lambda m: f"{what}: {m}")
-
-
 def _as_the_kernels_read(score_mod):
     def read(score, b, h, q_idx, kv_idx):
         s = score_mod(score, b, h, q_idx, kv_idx)
@@ -483,16 +475,8 @@ def test_attention(case):
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out, lse = maskc.compiled_attention(q, k, v, mask_mod=b.mask_mod, score_mod=b.score_mod, return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), do)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref_score = _as_the_kernels_read(b.score_mod) if case.padded_rows else b.score_mod
-    ref, ref_lse = attention_reference(q64, k64, v64, mask_mod=b.mask_mod, score_mod=ref_score)
-    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
-    _close(out, ref, "output")
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
-        _close(got, want, name)
-    empty = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty), "lse is -inf on other rows than the reference's"
-    _close(lse[~empty], ref_lse[~empty], "lse")
+    assert_agrees(out, lse, grads, (q, k, v, do), b.mask_mod, ref_score)
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,11 @@ from collections.abc import Mapping
 import torch
 import torch.nn.attention.flex_attention as torch_flex
 
+from maskc._graph import outside_graph
 from maskc.analysis import BlockMap, block_map
 from maskc.analysis.build import IN_PYTHON as ANALYSED_IN_PYTHON
 from maskc.masks import and_masks, or_masks
 from maskc.runtime import compiled_attention
-from maskc._graph import outside_graph
 from maskc.runtime.api import CAPTURED_GRADIENTS, PLAIN_FUNCTION, captured_need_grad, plain_function
 from maskc.runtime.tiles import MAX_TILE, check_block_size
 from maskc.trace import MaskMod, as_mask_mod

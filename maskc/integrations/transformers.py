@@ -134,7 +134,8 @@ def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
 
 
 # (torch.compiler.disable's decorator takes reason= from torch 2.8 only: outside_graph decides)
-layer_mask = outside_graph(layer_mask, "maskc traces the model's mask function in Python, once per forward pass")
+_TRACED_IN_PYTHON = "maskc traces the model's mask function in Python, once per forward pass"
+layer_mask = outside_graph(layer_mask, _TRACED_IN_PYTHON)
 
 
 def _last_queries(mask: LayerMask, first: int, n: int) -> LayerMask:
@@ -145,7 +146,7 @@ def _last_queries(mask: LayerMask, first: int, n: int) -> LayerMask:
                      mask.kv_len)
 
 
-_last_queries = outside_graph(_last_queries, "maskc traces the model's mask function in Python, once per forward pass")
+_last_queries = outside_graph(_last_queries, _TRACED_IN_PYTHON)
 
 
 class _StepMask:
@@ -200,7 +201,8 @@ def _call_site() -> tuple:
     return (frame.f_code, frame.f_lasti) if frame is not None else ()
 
 
-_MASK_BUILDERS = ("maskc", "transformers.masking_utils", "transformers.utils", "torch")
+# module names, matched as prefixes: dotted, so that a package such as torchtune is not skipped
+_MASK_BUILDERS = ("maskc.", "transformers.masking_utils", "transformers.utils.", "torch.")
 
 
 def _structure(fn) -> tuple:
