@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import maskc
+from _inputs import qkv, randn
 from maskc import masks, scores
 from maskc.analysis.dense import evaluate, symbols_env
 from maskc.runtime.tiles import bh_group, use_config
@@ -36,16 +37,6 @@ def _cache_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MASKC_CACHE_DIR", str(tmp_path_factory.mktemp("maskc_cache")))
         yield
-
-
-def _randn(*shape, dtype=torch.float32, seed=0):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def _qkv(B=1, Hq=2, Hkv=None, Lq=45, Lkv=60, D=32, Dv=None, dtype=torch.float32, seed=0):
-    Hkv, Dv = Hkv or Hq, Dv or D
-    return (_randn(B, Hq, Lq, D, dtype=dtype, seed=seed), _randn(B, Hkv, Lkv, D, dtype=dtype, seed=seed + 1),
-            _randn(B, Hkv, Lkv, Dv, dtype=dtype, seed=seed + 2))
 
 
 def check_lse(lse, ref_lse, dtype):
@@ -91,7 +82,7 @@ def problems(draw, dtypes):
     score = draw(score_mod_strategy(Lq, Lkv, H=Hq))
     scale = draw(st.sampled_from((None, 0.125, 1.0)))
     seed = draw(st.integers(0, 2**31 - 1))
-    q, k, v = _qkv(B, Hq, Hkv, Lq, Lkv, D, Dv, dtype, seed)
+    q, k, v = qkv(B, Hq, Hkv, Lq, Lkv, D, Dv, dtype=dtype, seed=seed)
     return AttentionInputs(q, k, v, mask, score, scale, enable_gqa=Hq != Hkv)
 
 
@@ -114,7 +105,7 @@ def test_matches_reference_fp16(problem):
     (None, scores.alibi(scores.alibi_slopes(4))),
 ], ids=["plain", "causal", "sliding", "causal_softcap", "alibi_gqa"])
 def test_bfloat16(mask, score):
-    q, k, v = _qkv(1, 4, 2, 50, 45, 32, dtype=torch.bfloat16)
+    q, k, v = qkv(1, 4, 2, 50, 45, 32, dtype=torch.bfloat16)
     check(q, k, v, mask_mod=mask, score_mod=score, enable_gqa=True)
 
 
@@ -129,7 +120,7 @@ def test_document_masks_with_captured_ids(data):
         mask = masks.document(data.draw(doc_ids(Lq)), causal=causal, kv_doc_ids=data.draw(doc_ids(Lkv)))
     score = data.draw(st.sampled_from((None, scores.softcap(20.0))))
     dtype = data.draw(st.sampled_from((torch.float32, torch.float16)))
-    q, k, v = _qkv(1, 2, 2, Lq, Lkv, 32, 32, dtype, seed=data.draw(st.integers(0, 1000)))
+    q, k, v = qkv(1, 2, 2, Lq, Lkv, 32, 32, dtype=dtype, seed=data.draw(st.integers(0, 1000)))
     check(q, k, v, mask_mod=mask, score_mod=score)
 
 
@@ -140,7 +131,7 @@ def test_document_masks_with_captured_ids(data):
     masks.or_masks(masks.sliding_window(4), masks.prefix_lm(10)), masks.not_mask(masks.sliding_window(16)),
 ], ids=lambda m: "none" if m is None else m.__name__)
 def test_standard_masks(mask):
-    q, k, v = _qkv(1, 2, 2, 71, 77, 32)
+    q, k, v = qkv(1, 2, 2, 71, 77, 32)
     check(q, k, v, mask_mod=mask)
 
 
@@ -150,7 +141,7 @@ def test_standard_masks(mask):
                          ids=lambda s: s.__name__)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_score_mods_gqa(score, dtype):
-    q, k, v = _qkv(1, 4, 2, 64, 50, 64, 16, dtype)
+    q, k, v = qkv(1, 4, 2, 64, 50, 64, 16, dtype=dtype)
     check(q, k, v, mask_mod=masks.causal, score_mod=score, enable_gqa=True)
 
 
@@ -161,7 +152,7 @@ def test_separable_score_with_minus_infinity_columns(mask):
     def late_keys(score, b, h, q_idx, kv_idx):
         return score + torch.where(kv_idx >= 40, 0.0, float("-inf"))
 
-    q, k, v = _qkv(1, 2, 2, 70, 90, 32)
+    q, k, v = qkv(1, 2, 2, 70, 90, 32)
     check(q, k, v, mask_mod=mask, score_mod=late_keys)
 
 
@@ -169,7 +160,7 @@ def test_separable_score_with_minus_infinity_columns(mask):
 def test_float64_split_score_mods_stay_exact(mask):
     # float64 is for exact checks (gradcheck): ALiBi runs as written there, not in its split
     # form, whose separately rounded row and column terms cost ~1e-8 (codegen/render.py)
-    q, k, v = _qkv(1, 4, 4, 70, 70, 32, dtype=torch.float64)
+    q, k, v = qkv(1, 4, 4, 70, 70, 32, dtype=torch.float64)
     score = scores.alibi(torch.rand(4, generator=torch.Generator().manual_seed(5)))
     out = maskc.compiled_attention(q, k, v, mask_mod=mask, score_mod=score)
     ref, _ = attention_reference(q, k, v, mask_mod=mask, score_mod=score)
@@ -184,7 +175,7 @@ def test_batch_and_head_dependent_mask():
         same_doc = ids[b * 70 + q_idx] == ids[b * 70 + kv_idx]
         return same_doc & (q_idx >= kv_idx) & (q_idx - kv_idx <= windows[h]) | ((b == 1) & (kv_idx < 2))
 
-    q, k, v = _qkv(2, 2, 1, 70, 70, 16)
+    q, k, v = qkv(2, 2, 1, 70, 70, 16)
     check(q, k, v, mask_mod=per_head_per_batch, enable_gqa=True)
 
 
@@ -204,7 +195,7 @@ def _relative_bias_2d():
 
 @pytest.mark.parametrize("kwargs", [_batch_docs_2d, _relative_bias_2d], ids=["ids[b, q_idx]", "table[h, q-kv]"])
 def test_load_indexed_by_head_and_position(kwargs):
-    q, k, v = _qkv(2, 2, 2, 40, 40, 16)
+    q, k, v = qkv(2, 2, 2, 40, 40, 16)
     check(q, k, v, **kwargs())
 
 
@@ -212,25 +203,25 @@ def test_plain_function_is_traced_on_first_use():
     def plain(b, h, q_idx, kv_idx):
         return torch.abs(q_idx - kv_idx) <= 5
 
-    q, k, v = _qkv(1, 1, 1, 40, 40, 32)
+    q, k, v = qkv(1, 1, 1, 40, 40, 32)
     check(q, k, v, mask_mod=plain, score_mod=lambda score, b, h, q_idx, kv_idx: score * 0.5)
 
 
 def test_a_cube_of_positions_in_a_score_does_not_wrap():
     # The trace keeps no casts: (q_idx - kv_idx).float() ** 3 printed over int32 positions
     # wrapped past a difference of 1290, a silent wrong answer (the GPU check at 4097 rows).
-    q, k, v = _qkv(1, 1, 1, 1344, 32, 16)
+    q, k, v = qkv(1, 1, 1, 1344, 32, 16)
     check(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: score + (q_idx - kv_idx).float() ** 3 * 1e-9)
 
 
 def test_float64():
-    q, k, v = _qkv(1, 4, 2, 50, 45, 32, 16, dtype=torch.float64)
+    q, k, v = qkv(1, 4, 2, 50, 45, 32, 16, dtype=torch.float64)
     check(q, k, v, mask_mod=masks.sliding_window(9), score_mod=scores.softcap(5.0), enable_gqa=True)
 
 
 @pytest.mark.parametrize("D,Dv", [(16, 80), (80, 32), (64, 16), (32, 64)])
 def test_head_dims_and_value_dim(D, Dv):
-    q, k, v = _qkv(1, 1, 1, 33, 65, D, Dv)
+    q, k, v = qkv(1, 1, 1, 33, 65, D, Dv)
     check(q, k, v, mask_mod=masks.sliding_window(20))
 
 
@@ -238,7 +229,7 @@ def test_launch_order_groups_cover_every_tile():
     # head dims above 64 interleave (b, h) pairs two at a time in the launch order
     # (tiles.bh_group); five pairs leave a last group of one, and each pair has three q tiles
     assert bh_group(80) == 2
-    q, k, v = _qkv(1, 5, 5, 70, 70, 80)
+    q, k, v = qkv(1, 5, 5, 70, 70, 80)
     check(q, k, v, mask_mod=masks.causal)
 
 
@@ -256,7 +247,7 @@ def _far_future(b, h, q_idx, kv_idx):
 @pytest.mark.parametrize("score", [None, scores.softcap(10.0)], ids=["plain", "softcap"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_every_row_empty_gives_zero_and_minus_inf(mask, score, dtype):
-    q, k, v = _qkv(2, 2, 2, 45, 37, 32, dtype=dtype)
+    q, k, v = qkv(2, 2, 2, 45, 37, 32, dtype=dtype)
     out, lse = maskc.compiled_attention(q, k, v, mask_mod=mask, score_mod=score, return_lse=True)
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.isneginf(lse).all()
@@ -270,30 +261,30 @@ def test_every_row_empty_gives_zero_and_minus_inf(mask, score, dtype):
     masks.and_masks(masks.sliding_window(3), lambda b, h, q_idx, kv_idx: (q_idx % 7) != 2),  # scattered rows
 ], ids=["not_causal", "late_keys", "scattered"])
 def test_some_rows_empty(mask):
-    q, k, v = _qkv(1, 2, 2, 64, 64, 32)
+    q, k, v = qkv(1, 2, 2, 64, 64, 32)
     out, lse = check(q, k, v, mask_mod=mask)
     assert torch.isneginf(lse).any() and not torch.isneginf(lse).all()
     assert not torch.isnan(out).any()
 
 
 def test_zero_lengths():
-    q, k, v = _qkv(1, 2, 2, 10, 0, 32)
+    q, k, v = qkv(1, 2, 2, 10, 0, 32)
     out, lse = maskc.compiled_attention(q, k, v, mask_mod=masks.causal, return_lse=True)
     assert out.shape == (1, 2, 10, 32) and torch.equal(out, torch.zeros_like(out))
     assert torch.isneginf(lse).all()
-    q, k, v = _qkv(1, 2, 2, 0, 10, 32)
+    q, k, v = qkv(1, 2, 2, 0, 10, 32)
     out, lse = maskc.compiled_attention(q, k, v, return_lse=True)
     assert out.shape == (1, 2, 0, 32) and lse.shape == (1, 2, 0)
-    q, k, v = _qkv(0, 2, 2, 10, 10, 32)
+    q, k, v = qkv(0, 2, 2, 10, 10, 32)
     assert maskc.compiled_attention(q, k, v).shape == (0, 2, 10, 32)
 
 
 # -- layouts, block maps, scale -------------------------------------------------------------
 def test_non_contiguous_inputs():
     B, H, Lq, Lkv, D, Dv = 2, 2, 50, 45, 32, 16
-    q = _randn(B, Lq, H, D, seed=1).transpose(1, 2)
-    k = _randn(B, Lkv, H, D, seed=2).transpose(1, 2)
-    v = _randn(B, H, Dv, Lkv, seed=3).transpose(2, 3)  # unit stride along L, not along Dv
+    q = randn(B, Lq, H, D, seed=1).transpose(1, 2)
+    k = randn(B, Lkv, H, D, seed=2).transpose(1, 2)
+    v = randn(B, H, Dv, Lkv, seed=3).transpose(2, 3)  # unit stride along L, not along Dv
     assert not any(t.is_contiguous() for t in (q, k, v))
     out, lse = check(q, k, v, mask_mod=masks.sliding_window(10), score_mod=scores.softcap(20.0))
     out_c = maskc.compiled_attention(q.contiguous(), k.contiguous(), v.contiguous(),
@@ -320,14 +311,14 @@ def test_descriptors_only_where_the_copy_engine_allows():
 def test_non_contiguous_captured_tensor():
     ids = torch.randint(0, 3, (120,), generator=torch.Generator().manual_seed(1))[::2]  # stride 2
     assert not ids.is_contiguous()
-    q, k, v = _qkv(1, 1, 1, 60, 60, 16)
+    q, k, v = qkv(1, 1, 1, 60, 60, 16)
     check(q, k, v, mask_mod=masks.document(ids, causal=True))
 
 
 @pytest.mark.parametrize("mask", [masks.causal, masks.sliding_window(12), masks.prefix_lm(30)],
                          ids=lambda m: m.__name__)
 def test_given_block_map_gives_the_same_result(mask):
-    q, k, v = _qkv(1, 2, 2, 70, 66, 32)
+    q, k, v = qkv(1, 2, 2, 70, 66, 32)
     out, lse = maskc.compiled_attention(q, k, v, mask_mod=mask, return_lse=True)
     bm = maskc.block_map(mask, 70, 66, block_size=(32, 32))
     out_bm, lse_bm = maskc.compiled_attention(q, k, v, mask_mod=mask, return_lse=True, block_map=bm)
@@ -343,7 +334,7 @@ def test_given_block_map_per_batch_and_head():
     def head_windows(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx - kv_idx <= windows[h]) & ((b == 0) | (kv_idx % 2 == 0))
 
-    q, k, v = _qkv(1, 3, 3, 50, 50, 16)
+    q, k, v = qkv(1, 3, 3, 50, 50, 16)
     bm = maskc.block_map(head_windows, 50, 50, block_size=(32, 32), B=1, H=3)
     check(q, k, v, mask_mod=head_windows, block_map=bm, reference_kwargs=dict(mask_mod=head_windows))
 
@@ -351,14 +342,14 @@ def test_given_block_map_per_batch_and_head():
 @pytest.mark.parametrize("score", [None, scores.softcap(30.0)], ids=["plain", "softcap"])
 @pytest.mark.parametrize("scale", [0.3, 1.0, 2.5])
 def test_scale_is_honoured(scale, score):
-    q, k, v = _qkv(1, 2, 2, 40, 40, 64)
+    q, k, v = qkv(1, 2, 2, 40, 40, 64)
     out, _ = check(q, k, v, mask_mod=masks.causal, score_mod=score, scale=scale)
     default = maskc.compiled_attention(q, k, v, mask_mod=masks.causal, score_mod=score)
     assert not torch.allclose(out, default, atol=1e-3)
 
 
 def test_inputs_requiring_grad_run_under_no_grad():
-    q, k, v = (t.requires_grad_() for t in _qkv(1, 1, 1, 20, 20, 16))
+    q, k, v = qkv(1, 1, 1, 20, 20, 16, requires_grad=True)
     with torch.no_grad():
         out = maskc.compiled_attention(q, k, v, mask_mod=masks.causal)
     ref, _ = attention_reference(q.detach(), k.detach(), v.detach(), mask_mod=masks.causal)
@@ -414,7 +405,7 @@ def test_out_of_range_captured_index_reads_zero(mask, kept_outside):
     env = symbols_env(zero, zero, torch.arange(Lq).view(1, 1, -1, 1), torch.arange(Lkv).view(1, 1, 1, -1))
     dense = evaluate(mm.expr, env, mm.traced.tensors, mm.traced.param_values())
     assert torch.equal(dense.expand(1, 1, Lq, Lkv)[0, 0], keep)
-    q, k, v = _qkv(1, 1, 1, Lq, Lkv, 32)
+    q, k, v = qkv(1, 1, 1, Lq, Lkv, 32)
     _check_dense(q, k, v, keep, mask_mod=mm)
 
 
@@ -422,6 +413,6 @@ def test_out_of_range_score_table_reads_zero():
     table = torch.tensor([0.5, -1.0, 2.0])  # covers q_idx - kv_idx in [-1, 1]
     Lq = Lkv = 40
     d = torch.arange(Lq).view(-1, 1) - torch.arange(Lkv).view(1, -1)
-    q, k, v = _qkv(1, 2, 2, Lq, Lkv, 16)
+    q, k, v = qkv(1, 2, 2, Lq, Lkv, 16)
     _check_dense(q, k, v, d >= 0, bias=_read_with_zero_outside(table, d + 1).double(),
                  mask_mod=masks.causal, score_mod=scores.relative_bias(table, offset=1))

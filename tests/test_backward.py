@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import maskc
+from _inputs import randn
 from maskc import masks, scores
 from maskc.runtime import launch
 from maskc.runtime.tiles import use_config
@@ -127,10 +128,6 @@ def descriptor_calls(monkeypatch):
     return calls
 
 
-def _randn(*shape, seed):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-
-
 # Lengths that are not multiples of the CPU tiles (32), GQA groups, head dims padded to the
 # next power of two (48 -> 64, 24 -> 32): loads past L and D must read zeros and such rows
 # must not reach dq on either path.
@@ -143,10 +140,10 @@ BOTH_PATHS = [
 
 @pytest.mark.parametrize("B,Hq,Hkv,Lq,Lkv,D,Dv,mask_mod,score_mod", BOTH_PATHS)
 def test_gradients_on_both_load_paths(B, Hq, Hkv, Lq, Lkv, D, Dv, mask_mod, score_mod, descriptor_calls):
-    inputs = AttentionInputs(_randn(B, Hq, Lq, D, seed=1), _randn(B, Hkv, Lkv, D, seed=2),
-                             _randn(B, Hkv, Lkv, Dv, seed=3), mask_mod, score_mod, None, enable_gqa=Hq != Hkv)
+    inputs = AttentionInputs(randn(B, Hq, Lq, D, seed=1), randn(B, Hkv, Lkv, D, seed=2),
+                             randn(B, Hkv, Lkv, Dv, seed=3), mask_mod, score_mod, None, enable_gqa=Hq != Hkv)
     # strided along L: the backward copies it, then the copy can have a descriptor
-    d_out = _randn(B, Lq, Hq, Dv, seed=4).transpose(1, 2)
+    d_out = randn(B, Lq, Hq, Dv, seed=4).transpose(1, 2)
     grads = {}
     for tma in (True, False):
         descriptor_calls.clear()
@@ -161,19 +158,19 @@ def test_gradients_on_both_load_paths(B, Hq, Hkv, Lq, Lkv, D, Dv, mask_mod, scor
 
 def _unaligned(*shape, seed):
     # contiguous, but starting 4 bytes past a 16-byte boundary: the copy engine refuses it
-    flat = _randn(1 + torch.Size(shape).numel(), seed=seed)
+    flat = randn(1 + torch.Size(shape).numel(), seed=seed)
     return flat[1:].view(shape)
 
 
 @pytest.mark.parametrize("case", ["unaligned d_out", "q strided along D", "odd row bytes"])
 def test_gradients_where_a_tensor_cannot_have_a_descriptor(case, descriptor_calls):
     B, Hq, Hkv, Lq, Lkv, D, Dv = 1, 2, 1, 37, 45, 32, 32
-    q, k, v = _randn(B, Hq, Lq, D, seed=1), _randn(B, Hkv, Lkv, D, seed=2), _randn(B, Hkv, Lkv, Dv, seed=3)
-    d_out = _randn(B, Hq, Lq, Dv, seed=4)
+    q, k, v = randn(B, Hq, Lq, D, seed=1), randn(B, Hkv, Lkv, D, seed=2), randn(B, Hkv, Lkv, Dv, seed=3)
+    d_out = randn(B, Hq, Lq, Dv, seed=4)
     if case == "unaligned d_out":
         d_out = _unaligned(B, Hq, Lq, Dv, seed=4)
     elif case == "q strided along D":  # dq = empty_like(q) has its strides too
-        q = _randn(B, Hq, D, Lq, seed=1).transpose(2, 3)
+        q = randn(B, Hq, D, Lq, seed=1).transpose(2, 3)
     else:  # Dv = 18 float32: 72-byte rows of v, out, d_out and dv
         v, d_out = v[..., :18].contiguous(), d_out[..., :18].contiguous()
     inputs = AttentionInputs(q, k, v, masks.causal, None, None, enable_gqa=True)

@@ -1,6 +1,4 @@
 """Canonical form: equivalent spellings share one signature, and meaning is preserved."""
-import time
-
 import pytest
 import sympy
 import torch
@@ -8,6 +6,7 @@ from hypothesis import given
 from sympy.core.cache import clear_cache
 
 import maskc
+from _work import python_calls
 from maskc.analysis.dense import evaluate, symbols_env
 from maskc.testing import dense_mask
 from maskc.testing.strategies import mask_cases
@@ -128,13 +127,16 @@ def _numeric_nest(depth):
     return sympy.Ge(x, KV_IDX, evaluate=False)
 
 
+@pytest.mark.timeout(120)
 def test_nested_where_canonicalizes_once_per_distinct_node():
-    # as a tree the depth-30 nest has about 3**30 nodes; as a graph, a few hundred. The bound
-    # tells a walk of the graph (about a second) from one of the tree (hours); it is loose
-    # because a loaded CI machine took 5.5 s
-    start = time.perf_counter()
-    expr = canonicalize(_numeric_nest(30))
-    assert time.perf_counter() - start < 60
+    # as a tree the depth-20 nest has about 3**20 nodes; as a graph, about 150 (canonical: about
+    # 1300). Twice the depth costs about 6 times the calls (relations split over the branches);
+    # a walk of the tree would cost 3**10 times as many
+    shallow = python_calls(canonicalize, _numeric_nest(10))
+    deep = _numeric_nest(20)
+    calls = python_calls(canonicalize, deep)
+    assert calls < 16 * shallow, (shallow, calls)
+    expr = canonicalize(deep)
     assert canonicalize(expr) == expr
 
 
@@ -144,7 +146,10 @@ def test_equal_copies_built_apart_are_one_form():
     # NOTE: depth 10, not 25: where sympy's constructor cache does not already share the two
     # copies (it depends on what ran before in the process), a set or dict holding both still
     # compares them as trees, 3**depth nodes.
+    one = python_calls(canonicalize, _numeric_nest(10))
     copies = sympy.Basic.__new__(sympy.And, _numeric_nest(10), _numeric_nest(10))
-    start = time.perf_counter()
+    # both cost less than twice one: the second copy is recognised, neither canonicalized again
+    # nor compared with the first as a tree (3**10 nodes)
+    calls = python_calls(canonicalize, copies)
+    assert calls < 2 * one, (one, calls)
     assert isinstance(canonicalize(copies), sympy.Or)  # one copy: the nest's own Or of two branches
-    assert time.perf_counter() - start < 5

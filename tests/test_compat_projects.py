@@ -26,6 +26,7 @@ from torch.nn.attention.flex_attention import flex_attention as torch_flex_atten
 
 import compat_projects as cp
 import maskc
+from _inputs import qkv
 from maskc.testing import assert_block_map_exact, attention_reference, dense_mask
 from test_compat import _close  # the compatibility tests' elementwise check, at their TOL
 
@@ -40,13 +41,9 @@ def _cache_dir(tmp_path_factory):
         yield
 
 
-def _qkv(B, q_len, kv_len, seed=0, grad=False):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, HEADS, n, DIM, generator=g) for n in (q_len, kv_len, kv_len))
-    do = torch.randn(B, HEADS, q_len, DIM, generator=g)
-    if grad:
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-    return q, k, v, do
+def _qkv(B, q_len, kv_len, grad=False):
+    """q, k, v and the output's gradient, of this file's heads and head dim."""
+    return qkv(B, HEADS, Lq=q_len, Lkv=kv_len, D=DIM, requires_grad=grad, grad_out=True)
 
 
 def _as_kernels_read(block_mask, q_len, kv_len, heads=HEADS):

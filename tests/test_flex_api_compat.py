@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import flex_attention as torch_flex
 
 import maskc
+from _inputs import qkv, randn
 from maskc import and_masks, create_block_mask, flex_attention, noop_mask, or_masks, BlockMask
 from maskc.testing import attention_reference
 
@@ -38,14 +39,6 @@ def _torch_flex(*args, **kwargs):
     with warnings.catch_warnings():  # eager on CPU is unfused: said once per process
         warnings.simplefilter("ignore")
         return torch_flex.flex_attention(*args, **kwargs)
-
-
-def _qkv(B, Hq, Lq, D=16, *, Hkv=None, Lkv=None, Dv=None, Bkv=None, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    Hkv, Lkv, Dv, Bkv = Hkv or Hq, Lkv or Lq, Dv or D, Bkv or B
-    return (torch.randn(B, Hq, Lq, D, generator=g, dtype=dtype),
-            torch.randn(Bkv, Hkv, Lkv, D, generator=g, dtype=dtype),
-            torch.randn(Bkv, Hkv, Lkv, Dv, generator=g, dtype=dtype))
 
 
 def _causal_mask(b, h, q, kv):
@@ -143,7 +136,7 @@ def test_block_mask_positional_constructor_preserves_block_size():
                            ref.full_kv_indices, ref.q_num_blocks, ref.q_indices, ref.full_q_num_blocks,
                            ref.full_q_indices, ref.BLOCK_SIZE, ref.mask_mod)
     assert block_mask.BLOCK_SIZE == ref.BLOCK_SIZE and block_mask.mask_mod is ref.mask_mod
-    q, k, v = _qkv(1, 1, 128)
+    q, k, v = qkv(1, 1, Lq=128)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=block_mask),
                                flex_attention(q, k, v, block_mask=ref), atol=0, rtol=0)
 
@@ -153,7 +146,7 @@ def test_sliced_blockmask_mask_mod_error():
     a q-block slice used with one query."""
     base_mask = create_block_mask(_causal_mask, B=1, H=1, Q_LEN=256, KV_LEN=256, device="cpu")
     sliced_mask = base_mask[:, :, 0]
-    q, k, v = _qkv(1, 1, 1, Lkv=256)
+    q, k, v = qkv(1, 1, Lq=1, Lkv=256)
     with pytest.raises(RuntimeError, match="Cannot use mask_mod from a sliced BlockMask"):
         flex_attention(q, k, v, block_mask=sliced_mask)
 
@@ -202,7 +195,7 @@ def test_from_kv_blocks(full_indices):
         full_num = full_idx = None
     block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx)
     assert block_mask.shape == (1, 1, 128, 256)
-    q, k, v = _qkv(1, 1, 128, Lkv=256, seed=1)
+    q, k, v = qkv(1, 1, Lq=128, Lkv=256, seed=1)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=block_mask),
                                _torch_flex(q, k, v, block_mask=block_mask), **TOL)
 
@@ -215,7 +208,7 @@ def test_from_kv_blocks_without_q_computation(full_indices):
     kv_idx = torch.tensor([[[[0, 1, 2, 3]]]], dtype=torch.int32)
     block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, compute_q_blocks=False, BLOCK_SIZE=32)
     assert block_mask.q_indices is None and block_mask.shape == (1, 1, 32, 128)
-    q, k, v = _qkv(1, 1, 32, Lkv=128, seed=2)
+    q, k, v = qkv(1, 1, Lq=32, Lkv=128, seed=2)
     with torch.no_grad():
         out = flex_attention(q, k, v, block_mask=block_mask)
     assert out.shape == (1, 1, 32, 16) and out.dtype == torch.float32
@@ -239,7 +232,7 @@ def test_custom_block_mask_generator():
     indices = torch.arange(S // BS).expand(S // BS, S // BS)[None, None, :]
     manual_mask = BlockMask.from_kv_blocks(num_blocks, indices, BLOCK_SIZE=BS, mask_mod=_causal_mask)
     assert torch.equal(auto_mask.to_dense(), manual_mask.to_dense())
-    q, k, v = _qkv(1, 2, S, seed=3)
+    q, k, v = qkv(1, 2, Lq=S, seed=3)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=manual_mask),
                                flex_attention(q, k, v, block_mask=auto_mask), **TOL)
 
@@ -260,7 +253,7 @@ def test_mask_mod_combiners():
     assert either.sparsity() == create_block_mask(noop_mask, 1, 1, 2048, 2048, device="cpu").sparsity()
     small = create_block_mask(and_masks(_causal_mask, lambda b, h, q, kv: (q - kv) <= 40), 1, 1, 128, 128,
                               device="cpu", BLOCK_SIZE=32)
-    q, k, v = _qkv(1, 2, 128, seed=4)
+    q, k, v = qkv(1, 2, Lq=128, seed=4)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=small),
                                _torch_flex(q, k, v, block_mask=small), **TOL)
 
@@ -273,7 +266,7 @@ def test_and_or_masks_of_many():
         bm = create_block_mask(ours, None, None, 96, 96, device="cpu", BLOCK_SIZE=32)
         assert torch.equal(maskc.create_mask(ours, 1, 1, 96, 96, device="cpu"),
                            torch_flex.create_mask(theirs, 1, 1, 96, 96, device="cpu"))
-        q, k, v = _qkv(1, 1, 96, seed=5)
+        q, k, v = qkv(1, 1, Lq=96, seed=5)
         torch.testing.assert_close(flex_attention(q, k, v, block_mask=bm),
                                    _torch_flex(q, k, v, block_mask=bm), **TOL)
 
@@ -298,7 +291,7 @@ def test_kv_order_invariance_padded_causal():
     partial, full = make_block_mask(shared_prefix, False), make_block_mask(seq_len, False)
     assert partial.kv_indices[0, 0, 1, :2].tolist() == [0, 1] and partial.full_kv_num_blocks is None
     assert full.kv_indices[0, 0, 1, :2].tolist() == [0, 1] and full.full_kv_num_blocks is None
-    q, k, v = _qkv(1, 2, seq_len, Hkv=1, seed=6)
+    q, k, v = qkv(1, 2, Lq=seq_len, Hkv=1, seed=6)
     out_partial = flex_attention(q, k, v, block_mask=partial, enable_gqa=True)
     out_full = flex_attention(q, k, v, block_mask=full, enable_gqa=True)
     torch.testing.assert_close(out_partial[:, :, :shared_prefix], out_full[:, :, :shared_prefix], **TOL)
@@ -327,7 +320,7 @@ def test_compacted_block_mask_matches_reference():
 
     document_id = torch.arange(seq_len).repeat(1, 1)
     document_id[:, :100] = 0
-    q, k, v = (t.requires_grad_() for t in _qkv(1, 1, seq_len, seed=7))
+    q, k, v = qkv(1, 1, Lq=seq_len, seed=7, requires_grad=True)
     ref_out = _torch_flex(q, k, v, block_mask=make(document_id, False))
     out = flex_attention(q, k, v, block_mask=make(document_id, True))
     torch.testing.assert_close(out, ref_out, **TOL)
@@ -356,7 +349,7 @@ def test_create_block_mask_b_h_none_broadcasts():
     1410d025): a BlockMask of B=H=None (one row) serves every batch and head."""
     block_mask = create_block_mask(_causal_mask, None, None, 128, 128, device="cpu", BLOCK_SIZE=32)
     assert block_mask.kv_num_blocks.shape[:2] == (1, 1)
-    q, k, v = _qkv(2, 2, 128, seed=8)
+    q, k, v = qkv(2, 2, Lq=128, seed=8)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=block_mask),
                                _torch_flex(q, k, v, block_mask=block_mask), **TOL)
 
@@ -376,7 +369,7 @@ def test_larger_block_mask_bug():
 def test_GQA(score_mod):
     """test_flex_attention.py::TestFlexAttention::test_GQA (pytorch 1410d025): Hq = 4 * Hkv and a
     query shorter than the keys (S // 8 against S there; 32 against 128 here)."""
-    q, k, v = _qkv(1, 4, 32, Hkv=1, Lkv=128, seed=10)
+    q, k, v = qkv(1, 4, Lq=32, Hkv=1, Lkv=128, seed=10)
     block_mask = create_block_mask(noop_mask, 1, 4, 32, 128, device="cpu")
     out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
     torch.testing.assert_close(out, _torch_flex(q, k, v, score_mod=score_mod, block_mask=block_mask,
@@ -391,7 +384,7 @@ def test_kv_batch_broadcast(batch_dims, head_dims, causal):
     test_kv_batch_broadcast_causal_mask (pytorch 1410d025): k and v of batch 1, a BlockMask of q's batch."""
     (Bq, Bkv), (Hq, Hkv) = batch_dims, head_dims
     block_mask = create_block_mask(_causal_mask if causal else noop_mask, Bq, 1, 64, 64, device="cpu", BLOCK_SIZE=32)
-    q, k, v = _qkv(Bq, Hq, 64, Hkv=Hkv, Bkv=Bkv, seed=11)
+    q, k, v = qkv(Bq, Hq, Lq=64, Hkv=Hkv, Bkv=Bkv, seed=11)
     out = flex_attention(q, k, v, score_mod=_rel_bias, block_mask=block_mask, enable_gqa=Hq != Hkv)
     torch.testing.assert_close(out, _torch_flex(q, k, v, score_mod=_rel_bias, block_mask=block_mask,
                                                 enable_gqa=Hq != Hkv), **TOL)
@@ -402,7 +395,7 @@ def test_builtin_score_mods_different_seqlen(score_mod):
     """test_flex_attention.py::TestFlexAttention::test_builtin_score_mods_different_seqlen (pytorch 1410d025):
     Lq = Lkv / 2 with torch's noop BlockMask of (B, H)."""
     block_mask = create_block_mask(noop_mask, 2, 2, 64, 128, device="cpu")
-    q, k, v = _qkv(2, 2, 64, Lkv=128, seed=12)
+    q, k, v = qkv(2, 2, Lq=64, Lkv=128, seed=12)
     torch.testing.assert_close(flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask),
                                _torch_flex(q, k, v, score_mod=score_mod, block_mask=block_mask), **TOL)
 
@@ -411,7 +404,7 @@ def test_builtin_score_mods_different_seqlen(score_mod):
 def test_builtin_score_mods_different_block_size(BLOCK_SIZE):
     """test_flex_attention.py::TestFlexAttention::test_builtin_score_mods_different_block_size (pytorch 1410d025)."""
     block_mask = create_block_mask(noop_mask, 1, 2, 256, 256, BLOCK_SIZE=BLOCK_SIZE, device="cpu")
-    q, k, v = _qkv(1, 2, 256, seed=13)
+    q, k, v = qkv(1, 2, Lq=256, seed=13)
     torch.testing.assert_close(flex_attention(q, k, v, score_mod=_causal, block_mask=block_mask),
                                _torch_flex(q, k, v, score_mod=_causal, block_mask=block_mask), **TOL)
 
@@ -422,7 +415,7 @@ def test_non_equal_head_dims(head_dims):
     test_flex_decoding.py::test_non_equal_head_dims (pytorch): Dv != D, prefill and q_len 1."""
     qk_d, v_d = head_dims
     for lq in (64, 1):
-        q, k, v = _qkv(1, 2, lq, D=qk_d, Lkv=64, Dv=v_d, seed=14)
+        q, k, v = qkv(1, 2, Lq=lq, D=qk_d, Lkv=64, Dv=v_d, seed=14)
         out = flex_attention(q, k, v, score_mod=_rel_bias)
         assert out.shape == (1, 2, lq, v_d)
         torch.testing.assert_close(out, _torch_flex(q, k, v, score_mod=_rel_bias), **TOL)
@@ -433,11 +426,11 @@ def test_head_dim_below_16_is_refused_as_documented():
     test_validate_small_embedding_size_error_message (pytorch 1410d025): eager torch takes head dim 8,
     its compiled GPU kernel refuses it ("at least 16"); README documents head dims outside 16..256 as
     refused by maskc."""
-    q, k, v = _qkv(1, 2, 32, D=16, Dv=8, seed=56)
+    q, k, v = qkv(1, 2, Lq=32, D=16, Dv=8, seed=56)
     assert _torch_flex(q, k, v).shape == (1, 2, 32, 8)
     with pytest.raises(ValueError, match="v head dim must be between 16 and 256, got 8"):
         flex_attention(q, k, v)
-    q, k, v = _qkv(1, 2, 32, D=8, seed=57)
+    q, k, v = qkv(1, 2, Lq=32, D=8, seed=57)
     with pytest.raises(ValueError, match="between 16 and 256"):
         flex_attention(q, k, v)
 
@@ -445,7 +438,7 @@ def test_head_dim_below_16_is_refused_as_documented():
 @pytest.mark.parametrize("head_dim", [17, 24])
 def test_non_pow_2_headdim(head_dim):
     """test_flex_attention.py::TestFlexAttention::test_non_pow_2_headdim (pytorch 1410d025), 17 and 24."""
-    q, k, v = _qkv(1, 2, 64, D=head_dim, seed=15)
+    q, k, v = qkv(1, 2, Lq=64, D=head_dim, seed=15)
     torch.testing.assert_close(flex_attention(q, k, v, score_mod=_rel_bias),
                                _torch_flex(q, k, v, score_mod=_rel_bias), **TOL)
 
@@ -453,7 +446,7 @@ def test_non_pow_2_headdim(head_dim):
 def test_eager_tracing_correctness():
     """test_flex_attention.py::TestBlockMask::test_eager_tracing_correctness (pytorch 1410d025):
     GQA with Dv = 2 * D, out viewed as [B, Hq, L, 2, D]."""
-    q, k, v = _qkv(1, 4, 64, D=16, Hkv=2, Dv=32, seed=16)
+    q, k, v = qkv(1, 4, Lq=64, D=16, Hkv=2, Dv=32, seed=16)
     out = flex_attention(q, k, v, enable_gqa=True)
     assert out.view(1, 4, 64, 2, 16).shape == (1, 4, 64, 2, 16)
     torch.testing.assert_close(out, _torch_flex(q, k, v, enable_gqa=True), **TOL)
@@ -462,14 +455,14 @@ def test_eager_tracing_correctness():
 def test_not_pw_of_two_gqa():
     """test_flex_decoding.py::TestFlexDecoding::test_not_pw_of_two (pytorch bdfe4a90): 12 query heads
     on 2 kv heads (a ratio of 6), one query; here 6 on 2."""
-    q, k, v = _qkv(1, 6, 1, Hkv=2, Lkv=128, seed=17)
+    q, k, v = qkv(1, 6, Lq=1, Hkv=2, Lkv=128, seed=17)
     torch.testing.assert_close(flex_attention(q, k, v, enable_gqa=True), _torch_flex(q, k, v, enable_gqa=True),
                                **TOL)
 
 
 def test_gqa_without_enable_gqa_is_refused():
     """What torch says when Hq != Hkv and enable_gqa is False (flex_attention's input validation)."""
-    q, k, v = _qkv(1, 4, 32, Hkv=2, seed=18)
+    q, k, v = qkv(1, 4, Lq=32, Hkv=2, seed=18)
     with pytest.raises(ValueError):
         _torch_flex(q, k, v)
     with pytest.raises(ValueError):
@@ -478,8 +471,7 @@ def test_gqa_without_enable_gqa_is_refused():
 
 # -- layouts -----------------------------------------------------------------------------------
 def _as_strided(numel, shape, strides, offset, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.as_strided(torch.randn(numel, generator=g), shape, strides, offset)
+    return torch.as_strided(randn(numel, seed=seed), shape, strides, offset)
 
 
 @pytest.mark.parametrize("layout", ["offset", "transposed", "padded_row", "shared_dim"])
@@ -560,7 +552,7 @@ def test_strided_backwards():
 def test_return_aux_variants():
     """test_flex_attention.py::TestFlexAttention::test_return_aux (pytorch 1410d025): AuxRequest()
     gives an AuxOutput of Nones, AuxRequest(lse=True) an lse of [B, H, L] in float32."""
-    q, k, v = _qkv(2, 2, 61, seed=25)
+    q, k, v = qkv(2, 2, Lq=61, seed=25)
     out_only = flex_attention(q, k, v, _rel_bias)
     assert isinstance(out_only, torch.Tensor)
     out, aux = flex_attention(q, k, v, _rel_bias, return_aux=torch_flex.AuxRequest(lse=True))
@@ -576,7 +568,7 @@ def test_return_aux_variants():
 def test_logsumexp_correctness_float64():
     """test_flex_attention.py::TestFlexAttention::test_logsumexp_correctness (pytorch 1410d025):
     a float64 run returns a float64 lse."""
-    q, k, v = _qkv(1, 2, 64, seed=26, dtype=torch.float64)
+    q, k, v = qkv(1, 2, Lq=64, seed=26, dtype=torch.float64)
     out, aux = flex_attention(q, k, v, _causal, return_aux=torch_flex.AuxRequest(lse=True))
     ref_out, ref_aux = _torch_flex(q, k, v, _causal, return_aux=torch_flex.AuxRequest(lse=True))
     assert aux.lse.dtype == ref_aux.lse.dtype == torch.float64
@@ -587,7 +579,7 @@ def test_logsumexp_correctness_float64():
 def test_differentiable_logsumexp():
     """test_flex_attention.py::TestFlexAttention::test_differentiable_logsumexp_compiled and
     test_differentiable_logsumexp_gradcheck (pytorch 1410d025): a loss of out and lse."""
-    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 32, seed=27, dtype=torch.float64))
+    q, k, v = qkv(1, 2, Lq=32, seed=27, dtype=torch.float64, requires_grad=True)
     lse_mask = torch.randn(1, 2, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(28))
     out, aux = flex_attention(q, k, v, return_aux=torch_flex.AuxRequest(lse=True))
     grads = torch.autograd.grad(out.mean() + (aux.lse * lse_mask).sum(), (q, k, v))
@@ -611,7 +603,7 @@ def test_lse_masked_output():
 
     local = create_block_mask(sliding_window_causal, None, None, n_ctx, n_ctx, device="cpu", BLOCK_SIZE=32)
     glob = create_block_mask(global_causal, None, None, n_ctx, n_ctx, device="cpu", BLOCK_SIZE=32)
-    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, n_ctx, seed=29, dtype=torch.float64))
+    q, k, v = qkv(1, 2, Lq=n_ctx, seed=29, dtype=torch.float64, requires_grad=True)
     grad_out = torch.randn(1, 2, n_ctx, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(30))
     x_local, aux_local = flex_attention(q, k, v, block_mask=local, return_aux=torch_flex.AuxRequest(lse=True))
     x_global, aux_global = flex_attention(q, k, v, block_mask=glob, return_aux=torch_flex.AuxRequest(lse=True))
@@ -646,7 +638,7 @@ def test_fully_masked_out_rows_0_check(gqa):
     test_flex_decoding.py::test_fully_masked_out_rows_0_check_gqa (pytorch): rows with no key give
     out 0, lse -inf and no gradient, without NaNs."""
     S, M = 64, 32
-    q, k, v = (t.requires_grad_() for t in _qkv(2, 2, S, Hkv=1 if gqa else 2, seed=31))
+    q, k, v = qkv(2, 2, Lq=S, Hkv=1 if gqa else 2, seed=31, requires_grad=True)
     block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx < M, 2, 1, S, S, device="cpu", BLOCK_SIZE=16)
     out, aux = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_aux=torch_flex.AuxRequest(lse=True))
     assert out[:, :, M:, :].sum() == 0 and (aux.lse[:, :, M:] == -float("inf")).all()
@@ -658,7 +650,7 @@ def test_fully_masked_out_rows_0_check(gqa):
 
 def test_scale_argument():
     """flex_attention(scale=...) as every run_test partial passes it through; also scale=0."""
-    q, k, v = _qkv(1, 2, 48, seed=32)
+    q, k, v = qkv(1, 2, Lq=48, seed=32)
     for scale in (0.3, 1.0, 0.0):
         torch.testing.assert_close(flex_attention(q, k, v, score_mod=_causal, scale=scale),
                                    _torch_flex(q, k, v, score_mod=_causal, scale=scale), **TOL)
@@ -670,9 +662,9 @@ def test_block_mask_vs_sequence_lengths():
     a BlockMask for other lengths than the inputs' is refused (torch 2.13 raises ValueError
     "block_mask was created for ..."; the newer test asserts RuntimeError)."""
     block_mask = create_block_mask(_causal_mask, None, None, 128, 128, device="cpu")
-    q, k, v = _qkv(1, 1, 128, seed=33)
+    q, k, v = qkv(1, 1, Lq=128, seed=33)
     flex_attention(q, k, v, block_mask=block_mask)
-    big = _qkv(1, 1, 256, seed=34)
+    big = qkv(1, 1, Lq=256, seed=34)
     with pytest.raises(ValueError, match="block_mask was created for"):
         _torch_flex(*big, block_mask=block_mask)
     with pytest.raises(ValueError, match="block_mask was created for"):
@@ -693,7 +685,7 @@ def test_causal_block_non_divisible(lengths):
         return score * multiplier[q_idx]
 
     block_mask = create_block_mask(_causal_mask, 2, 1, lq, lkv, device="cpu")
-    q, k, v = _qkv(2, 1, lq, Lkv=lkv, seed=36)
+    q, k, v = qkv(2, 1, Lq=lq, Lkv=lkv, seed=36)
     torch.testing.assert_close(flex_attention(q, k, v, score_mod=mult, block_mask=block_mask),
                                _torch_flex(q, k, v, score_mod=mult, block_mask=block_mask), **TOL)
 
@@ -703,7 +695,7 @@ def test_sparse_block_not_dividing_seqlen():
     1410d025), scaled down: blocks of 128 over 192 positions, only the tail kept."""
     S = 192
     block_mask = create_block_mask(lambda b, h, m, n: n >= 128, None, None, S, S, BLOCK_SIZE=128, device="cpu")
-    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, S, seed=37))
+    q, k, v = qkv(1, 2, Lq=S, seed=37, requires_grad=True)
     out = flex_attention(q, k, v, block_mask=block_mask)
     torch.testing.assert_close(out, _torch_flex(q, k, v, block_mask=block_mask), **TOL)
     ref, _ = attention_reference(*(t.detach().double().requires_grad_() for t in (q, k, v)),
@@ -715,7 +707,7 @@ def test_narrow_kv_block_size():
     """test_flex_attention.py::TestFlexAttention::test_narrow_kv_block_size_uses_clamped_default_config
     (pytorch 1410d025): BLOCK_SIZE=(128, 64)."""
     block_mask = create_block_mask(_causal_mask, None, None, 256, 256, BLOCK_SIZE=(128, 64), device="cpu")
-    q, k, v = _qkv(1, 1, 256, seed=38)
+    q, k, v = qkv(1, 1, Lq=256, seed=38)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=block_mask),
                                _torch_flex(q, k, v, block_mask=block_mask), **TOL)
 
@@ -745,7 +737,7 @@ def test_non_divisible_offset_mask():
             return kv >= q + offset_tensor
 
         block_mask = create_block_mask(mask_mod, 2, 1, Q_S, KV_S, device="cpu")
-        q, k, v = _qkv(2, 4, Q_S, Hkv=2, Lkv=KV_S, seed=39)
+        q, k, v = qkv(2, 4, Lq=Q_S, Hkv=2, Lkv=KV_S, seed=39)
         torch.testing.assert_close(flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True),
                                    _torch_flex(q, k, v, block_mask=block_mask, enable_gqa=True), **TOL)
 
@@ -760,7 +752,7 @@ def test_head_dependent_mask_mod():
         return head_type[h] & (q_idx >= kv_idx)
 
     mask = create_block_mask(mask_mod, 1, Hq, 1, S, device="cpu")
-    q, k, v = _qkv(2, Hq, 1, Hkv=Hkv, Lkv=S, seed=40)
+    q, k, v = qkv(2, Hq, Lq=1, Hkv=Hkv, Lkv=S, seed=40)
     torch.testing.assert_close(flex_attention(q, k, v, score_mod=_rel_bias, block_mask=mask, enable_gqa=True),
                                _torch_flex(q, k, v, score_mod=_rel_bias, block_mask=mask, enable_gqa=True), **TOL)
 
@@ -778,7 +770,7 @@ def test_windowed_full_mask_vs_sdpa():
 
     block_mask = create_block_mask(mask_mod, 1, 1, Mq, S, device="cpu")
     sdpa_mask = torch.tril(torch.ones(S, S, dtype=torch.bool))[offset: offset + Mq]
-    q, k, v = _qkv(1, 2, Mq, Lkv=S, seed=41)
+    q, k, v = qkv(1, 2, Lq=Mq, Lkv=S, seed=41)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=block_mask, score_mod=windowed), want, **TOL)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=block_mask), want, **TOL)
@@ -794,7 +786,7 @@ def test_non_sparse_multiple_block_size():
         return (offset + q_idx) >= kv_idx
 
     block_mask = create_block_mask(causal_offset_mask, 1, 1, 1, 65, device="cpu")
-    q, k, v = _qkv(1, 1, 1, Lkv=65, seed=42)
+    q, k, v = qkv(1, 1, Lq=1, Lkv=65, seed=42)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=block_mask),
                                _torch_flex(q, k, v, block_mask=block_mask), **TOL)
 
@@ -804,7 +796,7 @@ def test_multi_block_m(q_seq_len):
     """test_flex_decoding.py::TestFlexDecoding::test_multi_block_m (pytorch bdfe4a90): vLLM's
     BLOCK_SIZE=16 causal mask, GQA, kernel_options BLOCK_M/BLOCK_N (ignored by maskc)."""
     mask = create_block_mask(_causal_mask, B=1, H=1, Q_LEN=q_seq_len, KV_LEN=128, device="cpu", BLOCK_SIZE=16)
-    q, k, v = _qkv(1, 4, q_seq_len, Hkv=2, Lkv=128, seed=43)
+    q, k, v = qkv(1, 4, Lq=q_seq_len, Hkv=2, Lkv=128, seed=43)
     kwargs = dict(block_mask=mask, kernel_options=dict(BLOCK_M=16, BLOCK_N=16), enable_gqa=True)
     torch.testing.assert_close(flex_attention(q, k, v, **kwargs), _torch_flex(q, k, v, **kwargs), **TOL)
 
@@ -816,7 +808,7 @@ def test_decode_at_different_input_position():
     max_seq_len, page_size = 256, 64
     block_mask = create_block_mask(_causal_mask, 2, 1, max_seq_len, max_seq_len, device="cpu", BLOCK_SIZE=page_size)
     for i, seq_len in enumerate([5, 98, 47, 194]):
-        q, k, v = _qkv(1, 2, 1, Lkv=seq_len, seed=44 + i)
+        q, k, v = qkv(1, 2, Lq=1, Lkv=seq_len, seed=44 + i)
         slice_block_mask = block_mask._adjust(1, seq_len)
         slice_block_mask.seq_lengths = (1, seq_len)
         for score_mod in (None, _rel_bias):
@@ -856,7 +848,7 @@ def test_adjusted_block_mask_drives_flex_attention():
 
     adjusted = create_block_mask(mask_mod, 1, 1, 128, 640, device="cpu")._adjust(128, 384)
     assert torch.equal(adjusted.to_dense(), create_block_mask(mask_mod, 1, 1, 128, 384, device="cpu").to_dense())
-    q, k, v = _qkv(1, 1, 128, Lkv=384, seed=49)
+    q, k, v = qkv(1, 1, Lq=128, Lkv=384, seed=49)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=adjusted),
                                _torch_flex(q, k, v, block_mask=adjusted), **TOL)
 
@@ -868,7 +860,7 @@ def test_block_mask_with_mask_mod_none():
     kv_num = torch.tensor([[[1, 1]]], dtype=torch.int32)
     kv_idx = torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32)
     block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=32, mask_mod=None, seq_lengths=(64, 64))
-    q, k, v = _qkv(1, 1, 64, seed=50)
+    q, k, v = qkv(1, 1, Lq=64, seed=50)
     want, _ = attention_reference(q, k, v, mask_mod=lambda b, h, qi, ki: ki < 32)  # only kv block 0 listed
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=block_mask).double(), want, **TOL)
 
@@ -877,7 +869,7 @@ def test_noop_mask_block_mask():
     """run_test's default: create_block_mask(noop_mask, B, H, S, S) with every score_mod."""
     block_mask = create_block_mask(noop_mask, 2, 2, 96, 96, device="cpu")
     assert block_mask.kv_num_blocks.sum() + block_mask.full_kv_num_blocks.sum() == 4
-    q, k, v = _qkv(2, 2, 96, seed=51)
+    q, k, v = qkv(2, 2, Lq=96, seed=51)
     for score_mod in SCORE_MODS:
         torch.testing.assert_close(flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask),
                                    _torch_flex(q, k, v, score_mod=score_mod, block_mask=block_mask), **TOL)
@@ -886,7 +878,7 @@ def test_noop_mask_block_mask():
 def test_mixed_dtypes_are_refused_as_documented():
     """test_flex_attention.py::TestFlexAttention::test_mixed_dtypes_eager (pytorch 1410d025): eager torch
     computes fp32 q with fp16 k, v; README documents maskc's TypeError asking for one dtype."""
-    q, k, v = _qkv(1, 1, 32, seed=52)
+    q, k, v = qkv(1, 1, Lq=32, seed=52)
     k, v = k.half(), v.half()
     assert _torch_flex(q, k, v).dtype == torch.float32
     with pytest.raises(TypeError, match="cast"):
@@ -896,7 +888,7 @@ def test_mixed_dtypes_are_refused_as_documented():
 def test_max_scores_is_refused_as_documented():
     """test_flex_attention.py::TestFlexAttention::test_return_max (pytorch 1410d025): README documents
     `return_aux=AuxRequest(max_scores=True)` as NotImplementedError."""
-    q, k, v = _qkv(1, 1, 32, seed=53)
+    q, k, v = qkv(1, 1, Lq=32, seed=53)
     with pytest.raises(NotImplementedError, match="max_scores"):
         flex_attention(q, k, v, return_aux=torch_flex.AuxRequest(max_scores=True))
 
@@ -921,7 +913,7 @@ def test_nested_tensor_inputs_error():
 def test_wrong_shapes_are_refused(case):
     """What torch's _validate_sdpa_input / flex_attention checks refuse, refused by maskc with an
     error naming the shapes (ValueError or RuntimeError, not an IndexError or a Triton error)."""
-    q, k, v = _qkv(2, 2, 32, seed=55)
+    q, k, v = qkv(2, 2, Lq=32, seed=55)
     if case == "3d_query":
         q = q[0]
     elif case == "head_dim_mismatch":

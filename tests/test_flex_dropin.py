@@ -19,6 +19,7 @@ import torch
 from torch.nn.attention import flex_attention as torch_flex
 
 import maskc
+from _inputs import qkv
 from maskc import masks
 from maskc.analysis import EMPTY, FULL, PARTIAL
 from maskc.integrations import flex
@@ -64,12 +65,6 @@ def _torch_flex(*args, **kwargs):
         return torch_flex.flex_attention(*args, **kwargs)
 
 
-def _qkv(B, Hq, Hkv, Lq, Lkv, D=16, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, Hq, Lq, D, generator=g, dtype=dtype), torch.randn(B, Hkv, Lkv, D, generator=g, dtype=dtype),
-            torch.randn(B, Hkv, Lkv, D, generator=g, dtype=dtype))
-
-
 def _tiles(block_mask) -> torch.Tensor:
     """int8 [B, H, q_blocks, kv_blocks] of a torch BlockMask: 0 EMPTY, 1 PARTIAL, 2 FULL, read from its lists."""
     n_kv = -(-block_mask.seq_lengths[1] // block_mask.BLOCK_SIZE[1])
@@ -96,7 +91,7 @@ def _document_causal(b, h, q_idx, kv_idx):
 @pytest.mark.parametrize("block_size", [128, 32])
 def test_a_flex_attention_snippet_runs_unchanged_with_the_maskc_imports(tmp_path, block_size):
     theirs, ours = _snippet(tmp_path, "torch.nn.attention.flex_attention"), _snippet(tmp_path, "maskc")
-    q, k, v = _qkv(2, 4, 2, 80, 80)
+    q, k, v = qkv(2, 4, 2, 80, 80)
     document_ids = DOCS[:80].clone()
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     with warnings.catch_warnings():
@@ -205,7 +200,7 @@ def test_a_torch_block_mask_drives_maskc_flex_attention():
         return (docs[b, q_idx] == docs[b, kv_idx]) & (q_idx >= kv_idx)
 
     block_mask = torch_flex.create_block_mask(per_batch_documents, 2, None, 70, 70, device="cpu", BLOCK_SIZE=32)
-    q, k, v = _qkv(2, 2, 2, 70, 70, seed=1)
+    q, k, v = qkv(2, 2, 2, 70, 70, seed=1)
     out = maskc.flex_attention(q, k, v, block_mask=block_mask)
     torch.testing.assert_close(out, _torch_flex(q, k, v, block_mask=block_mask), atol=2e-5, rtol=2e-5)
     ref, _ = attention_reference(q, k, v, mask_mod=per_batch_documents)
@@ -225,7 +220,7 @@ def test_a_hand_made_block_mask_is_read_as_flexattentions_kernels_read_it():
     full_idx = torch.tensor([[[[0, 1, 2], [1, 0, 2], [0, 1, 2]]]], dtype=torch.int32)
     block_mask = torch_flex.BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=32,
                                                      mask_mod=causal_below_90, seq_lengths=(96, 96))
-    q, k, v = _qkv(1, 2, 2, 96, 96, seed=2)
+    q, k, v = qkv(1, 2, 2, 96, 96, seed=2)
     out, lse = maskc.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
 
     pos = torch.arange(96)
@@ -246,7 +241,7 @@ def test_a_block_mask_made_for_more_queries_serves_its_first_rows(q_len):
 
     block_mask = torch_flex.create_block_mask(sliding, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=16)
     block_mask.seq_lengths = (q_len, 128)
-    q, k, v = _qkv(1, 2, 2, q_len, 128, seed=3)
+    q, k, v = qkv(1, 2, 2, q_len, 128, seed=3)
     out = maskc.flex_attention(q, k, v, block_mask=block_mask)
     torch.testing.assert_close(out, torch_flex.flex_attention(q, k, v, block_mask=block_mask), atol=2e-5, rtol=2e-5)
     ref, _ = attention_reference(q, k, v, mask_mod=sliding)
@@ -254,14 +249,14 @@ def test_a_block_mask_made_for_more_queries_serves_its_first_rows(q_len):
     short = torch_flex.create_block_mask(sliding, 1, 1, 16, 128, device="cpu", BLOCK_SIZE=16)
     short.seq_lengths = (20, 128)
     with pytest.raises(ValueError, match=r"block_mask has 1 rows of q blocks, but its seq_lengths \(20, 128\)"):
-        maskc.flex_attention(_qkv(1, 2, 2, 20, 128)[0], k, v, block_mask=short)
+        maskc.flex_attention(qkv(1, 2, 2, 20, 128)[0], k, v, block_mask=short)
 
 
 def test_blocks_larger_than_the_kernels_tiles_are_read_as_flex_attention_reads_them():
     """torch's own no-op BlockMask (one block of 2**30 made for lengths (1, 1), which torch's
     flex_attention does not check) and hand-made blocks of 512: each block's status holds for
     every kernel tile in it. Both were refused for their BLOCK_SIZE."""
-    q, k, v = _qkv(1, 2, 2, 600, 600, seed=5)
+    q, k, v = qkv(1, 2, 2, 600, 600, seed=5)
     no_op = torch_flex._create_empty_block_mask(q, k)
     torch.testing.assert_close(maskc.flex_attention(q, k, v, block_mask=no_op), _torch_flex(q, k, v),
                                atol=2e-5, rtol=2e-5)
@@ -283,7 +278,7 @@ def test_blocks_larger_than_the_kernels_tiles_are_read_as_flex_attention_reads_t
 
 def test_lse_is_torchs_natural_log_with_its_shape_and_dtype():
     block_mask = maskc.create_block_mask(masks.causal, None, None, 48, 48, device="cpu", BLOCK_SIZE=16)
-    q, k, v = _qkv(1, 2, 2, 48, 48, seed=3)
+    q, k, v = qkv(1, 2, 2, 48, 48, seed=3)
     out, lse = maskc.flex_attention(q, k, v, block_mask=block_mask, scale=0.3, return_lse=True)
     expected_out, expected_lse = _torch_flex(q, k, v, block_mask=block_mask, scale=0.3, return_lse=True)
     assert lse.shape == expected_lse.shape == (1, 2, 48) and lse.dtype == expected_lse.dtype == torch.float32
@@ -325,7 +320,7 @@ def test_out_is_laid_out_as_q_as_torch_lays_it_out(permutation):
 def test_gradients_flow_through_flex_attention():
     # torch's flex_attention has no backward on CPU; maskc's runs through the interpreter
     block_mask = maskc.create_block_mask(_document_causal, None, None, 40, 40, device="cpu", BLOCK_SIZE=16)
-    q, k, v = (t.double().requires_grad_() for t in _qkv(1, 2, 1, 40, 40, seed=4))
+    q, k, v = qkv(1, 2, 1, 40, 40, dtype=torch.float64, seed=4, requires_grad=True)
     out = maskc.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     ref, _ = attention_reference(q, k, v, mask_mod=_document_causal, enable_gqa=True)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
@@ -346,21 +341,21 @@ def test_a_block_mask_is_converted_once_and_again_when_its_mask_changes():
     docs[40:] = 1  # in place: the mask_mod now reads other values, the BlockMask's tiles stay as made
     second = flex.converted(block_mask)
     assert second is not first and torch.equal(second.to_dense(), first.to_dense())
-    q, k, v = _qkv(1, 1, 1, 64, 64, seed=5)
+    q, k, v = qkv(1, 1, 1, 64, 64, seed=5)
     out = maskc.flex_attention(q, k, v, block_mask=block_mask)  # accepted: the map records the new values
     torch.testing.assert_close(out, _torch_flex(q, k, v, block_mask=block_mask), atol=2e-5, rtol=2e-5)
 
 
 def test_a_maskc_block_map_is_a_block_mask_too():
     bm = maskc.block_map(masks.sliding_window(10), 40, 40, block_size=16)
-    q, k, v = _qkv(1, 1, 1, 40, 40, seed=6)
+    q, k, v = qkv(1, 1, 1, 40, 40, seed=6)
     out = maskc.flex_attention(q, k, v, block_mask=bm)
     ref, _ = attention_reference(q, k, v, mask_mod=masks.sliding_window(10))
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
 def test_kernel_options_are_accepted_and_said_to_be_ignored(caplog):
-    q, k, v = _qkv(1, 1, 1, 16, 16, seed=7)
+    q, k, v = qkv(1, 1, 1, 16, 16, seed=7)
     options = {"BLOCK_M": 64, "BLOCK_N": 64, "PRESCALE_QK": False, "fwd_num_warps": 4}
     with caplog.at_level(logging.INFO, logger="maskc.integrations.flex"):
         flex.flex_attention(q, k, v, kernel_options=options)
@@ -371,7 +366,7 @@ def test_kernel_options_are_accepted_and_said_to_be_ignored(caplog):
 
 # -- what maskc cannot honour, said clearly -------------------------------------------------------
 def test_errors_say_what_flex_attention_cannot_take():
-    q, k, v = _qkv(1, 1, 1, 64, 64)
+    q, k, v = qkv(1, 1, 1, 64, 64)
     block_mask = maskc.create_block_mask(masks.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
     with pytest.raises(ValueError, match="return_lse or return_aux, not both"):
         maskc.flex_attention(q, k, v, return_lse=True, return_aux=torch_flex.AuxRequest(lse=True))

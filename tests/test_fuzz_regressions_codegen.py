@@ -6,6 +6,7 @@ import sympy
 import torch
 
 import maskc
+from _inputs import qkv
 from maskc.codegen.printer import TritonPrinter
 from maskc.codegen.render import render
 from maskc.codegen.source import KernelSource, fuses_multiply_add
@@ -25,12 +26,6 @@ def show(expr) -> str:
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("MASKC_CACHE_DIR", str(tmp_path / "kernels"))
-
-
-def _qkv(batch, heads, Lq, Lkv, dtype, grad=False, D=16):
-    g = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(batch, heads, L, D, generator=g, dtype=dtype).requires_grad_(grad)
-                 for L in (Lq, Lkv, Lkv))
 
 
 def _check(q, k, v, mask_mod=None, score_mod=None):
@@ -222,7 +217,7 @@ def per_position(score, b, h, q_idx, kv_idx):
 
 def test_a_score_over_an_index_is_exact_in_float64():
     # score * (1.0 / (1 + q_idx)) took the reciprocal in float32: 2e-9 relative error in float64
-    _check(*_qkv(1, 2, 70, 50, torch.float64), score_mod=maskc.score_mod(per_position))
+    _check(*qkv(1, 2, Lq=70, Lkv=50, dtype=torch.float64), score_mod=maskc.score_mod(per_position))
 
 
 # -- C2: a scalar condition from a float comparison beside a per-pair one ---------------------
@@ -248,7 +243,7 @@ def half_unequal_to_an_element(b, h, q_idx, kv_idx):
 def test_a_scalar_float_condition_beside_a_per_pair_one_runs(fn, grad):
     # Triton's interpreter cannot `&`, `|` or `^` a block of booleans with a 0-d one from a float
     # comparison: InterpreterError "ufunc 'bitwise_xor' not supported"
-    _check(*_qkv(1, 2, 20, 24, torch.float32, grad), mask_mod=maskc.mask_mod(fn))
+    _check(*qkv(1, 2, Lq=20, Lkv=24, requires_grad=grad), mask_mod=maskc.mask_mod(fn))
 
 
 def test_a_condition_free_of_positions_is_compared_with_zero_where_it_meets_others():
@@ -297,7 +292,7 @@ def rounded_quotients(b, h, q_idx, kv_idx):
 def test_integer_nodes_index_and_compare_as_integers(fn, dtype, grad):
     # floor(q_idx / p0) is an integer to torch, but sympy allows p0 = 0: it was printed as a float
     # remainder (a float pointer offset, or tl.floor of an int); ceil(x).long() lost its cast
-    _check(*_qkv(1, 1, 20, 24, dtype, grad), mask_mod=maskc.mask_mod(fn))
+    _check(*qkv(1, 1, Lq=20, Lkv=24, dtype=dtype, requires_grad=grad), mask_mod=maskc.mask_mod(fn))
 
 
 @pytest.mark.parametrize("expr,text", [
@@ -341,4 +336,4 @@ def per_row(score, b, h, q_idx, kv_idx):
 def test_a_score_without_the_tile_shape_runs(fn, dtype, grad, Lq):
     # a kv length that is a multiple of the tile: the FULL tiles apply no bounds `where`, which
     # had broadcast the score; the row max of a 0-d score failed (axis 1 out of bounds for shape [])
-    _check(*_qkv(1, 2, Lq, 32, dtype, grad), score_mod=maskc.score_mod(fn))
+    _check(*qkv(1, 2, Lq=Lq, Lkv=32, dtype=dtype, requires_grad=grad), score_mod=maskc.score_mod(fn))

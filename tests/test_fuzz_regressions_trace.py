@@ -236,3 +236,28 @@ def test_an_abs_nested_in_an_abs_is_kept_as_written():
     q, k = torch.randn(1, 1, 50, 16, generator=g), torch.randn(1, 1, 70, 16, generator=g)
     out = maskc.compiled_attention(q, k, k, mask_mod=nested)
     torch.testing.assert_close(out.double(), attention_reference(q, k, k, mask_mod=nested)[0], atol=2e-6, rtol=0)
+
+
+def test_a_floor_nested_in_a_floor_is_kept_as_written():
+    """sympy's floor asks the assumptions of its whole argument on every level, so a mod nesting
+    floor(x / 2) + kv_idx in a loop traced in superlinear time (44 s at 100 levels to reach the
+    recursion refusal). A floor or ceiling of an argument holding one is built unevaluated: the
+    trace keeps every level, and the map and the kernel still agree with torch's dense mask."""
+    def halvings(b, h, q_idx, kv_idx):
+        x = q_idx
+        for _ in range(30):
+            x = torch.floor(x / 2) + kv_idx
+        return x >= 5
+
+    traced = maskc.mask_mod(halvings).traced
+    depth, e = 0, traced.expr
+    while e.args:
+        e = next((a for a in e.args if a.has(sympy.floor)), None) or e.args[0]
+        depth += isinstance(e, sympy.floor)
+    assert depth == 30
+    assert torch.equal(dense_mask(halvings, 50, 70), maskc.create_mask(halvings, 1, 1, 50, 70, device="cpu"))
+    assert_block_map_sound(halvings, 50, 70, (16, 16))
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 1, 50, 16, generator=g), torch.randn(1, 1, 70, 16, generator=g)
+    out = maskc.compiled_attention(q, k, k, mask_mod=halvings)
+    torch.testing.assert_close(out.double(), attention_reference(q, k, k, mask_mod=halvings)[0], atol=2e-6, rtol=0)

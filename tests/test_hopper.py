@@ -19,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _inputs import qkv
 from maskc import masks, scores
 from maskc.codegen.render import KERNEL_NAMES, render
 from maskc.codegen.source import KernelSource, merge
@@ -123,14 +124,22 @@ CASES = [
 ]
 
 
-# about 10 s a compile on a CI core: every form at D=128, two at D=64
-# (at D=64 causal runs three consumers, ALiBi two: hopper.forward_tiles)
-@pytest.mark.parametrize("name, mask, score, D", [(*c, 128) for c in CASES] + [(*c, 64) for c in CASES[1:4:2]],
-                         ids=[f"{c[0]}-128" for c in CASES] + [f"{c[0]}-64" for c in CASES[1:4:2]])
+def _lane(params, ids, keep):
+    """Each compile takes 5-20 s on a CI core: the default lane compiles the cases named in
+    `keep`, `-m slow` the rest."""
+    return [pytest.param(*p, id=i, marks=() if i in keep else pytest.mark.slow) for p, i in zip(params, ids)]
+
+
+# every form at D=128, two at D=64 (at D=64 causal runs three consumers, ALiBi two:
+# hopper.forward_tiles); the default lane's ALiBi-64 prints a mask and a score mod
+@pytest.mark.parametrize("name, mask, score, D", _lane(
+    [(*c, 128) for c in CASES] + [(*c, 64) for c in CASES[1:4:2]],
+    [f"{c[0]}-128" for c in CASES] + [f"{c[0]}-64" for c in CASES[1:4:2]], keep={"ALiBi-64"}))
 def test_the_hopper_forward_compiles_for_sm90(name, mask, score, D):
     _check(_compile(mask, score, D))
 
 
+@pytest.mark.slow
 def test_the_d64_forward_takes_three_consumers_where_its_rows_fit():
     assert hopper.forward_tiles(64, 64, scored=False)[0].block_m == 192
     assert hopper.forward_tiles(64, 128, scored=False)[0] == hopper.CONFIG  # a caller's 128-row map
@@ -142,6 +151,7 @@ def test_the_d64_forward_takes_three_consumers_where_its_rows_fit():
     assert _stack_bytes(_compile(None, None, 64)) <= 128
 
 
+@pytest.mark.slow
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_drawn_mods_compile_for_sm90(data):
@@ -158,7 +168,7 @@ def rates_and_roots(b, h, q_idx, kv_idx):
     return (RATES[q_idx] / RATES[kv_idx] >= 1) | (torch.sqrt(RATES[kv_idx]) * 3 > q_idx)
 
 
-@pytest.mark.parametrize("kind", ["hfwd", "hbwd"])
+@pytest.mark.parametrize("kind", [pytest.param("hfwd", marks=pytest.mark.slow), "hbwd"])
 def test_the_prelude_s_correctly_rounded_helpers_compile_for_sm90(kind):
     # _div and _sqrt (a captured table's division, a root) print tl.math.div_rn and sqrt_rn,
     # which Gluon takes too; the kernel decides on floats, so it runs without FMA contraction
@@ -170,9 +180,9 @@ def test_the_prelude_s_correctly_rounded_helpers_compile_for_sm90(kind):
 # head dim it runs at by default (64, computing dQ too) and the one MASKC_GLUON=always adds
 # (128, without dQ: hopper.computes_dq); without dQ at 64 too (deterministic algorithms,
 # gradients for captured tensors)
-@pytest.mark.parametrize("name, mask, score, D, with_dq",
-                         [(*c, 64, True) for c in CASES[1:5]] + [(*CASES[5], 128, False), (*CASES[1], 64, False)],
-                         ids=[f"{c[0]}-64" for c in CASES[1:5]] + [f"{CASES[5][0]}-128", "causal-64-without dQ"])
+@pytest.mark.parametrize("name, mask, score, D, with_dq", _lane(
+    [(*c, 64, True) for c in CASES[1:5]] + [(*CASES[5], 128, False), (*CASES[1], 64, False)],
+    [f"{c[0]}-64" for c in CASES[1:5]] + [f"{CASES[5][0]}-128", "causal-64-without dQ"], keep={"causal-64"}))
 def test_the_hopper_dkdv_kernel_compiles_for_sm90(name, mask, score, D, with_dq):
     _check(_compile(mask, score, D, kind="hbwd", with_dq=with_dq))
 
@@ -194,6 +204,7 @@ def _stack_bytes(compiled) -> int:
     return int(usage.split("STACK:")[1].split()[0])
 
 
+@pytest.mark.slow
 def test_the_dkdv_kernels_descriptors_are_not_spilled():
     # At D=128 with dQ, K, V, P and dS views made before the tile loop had their wgmma
     # descriptors hoisted and spilled (ptxas: 480 bytes with Triton 3.9, 208-360 with 3.6), and
@@ -345,15 +356,11 @@ def _gluon_everywhere(monkeypatch, fake):
     plan.PLANS.clear()
 
 
-def _inputs():
-    return [torch.randn(1, 2, 100, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-
-
 def test_a_new_gluon_kernel_compiles_while_the_triton_forward_answers(monkeypatch):
     import maskc
     fake = _FakeGluonPlan()
     _gluon_everywhere(monkeypatch, fake)
-    q, k, v = _inputs()
+    q, k, v = qkv(Lq=100)
     want = attention_reference(q, k, v, masks.causal)[0]
     try:
         for _ in range(2):  # compiling: the Triton forward answers
@@ -402,7 +409,7 @@ def test_a_failed_background_compile_warns_and_leaves_the_triton_forward(monkeyp
     import maskc
     fake = _FakeGluonPlan(error=RuntimeError("ptxas fatal: out of registers"))
     _gluon_everywhere(monkeypatch, fake)
-    q, k, v = _inputs()
+    q, k, v = qkv(Lq=100)
     try:
         maskc.compiled_attention(q, k, v, mask_mod=masks.causal)
         fake.ready.set()
@@ -429,7 +436,7 @@ def test_a_kernel_that_does_not_fit_leaves_the_gluon_kernel_to_other_mods(monkey
     monkeypatch.setattr(hopper, "_can_run", lambda problem: True)
     monkeypatch.setattr(hopper, "_misfits", {})
     monkeypatch.setenv("MASKC_GLUON", "always")  # compile at the first call, wherever it can
-    q, k, v = _inputs()
+    q, k, v = qkv(Lq=100)
     try:
         with pytest.warns(RuntimeWarning, match="did not fit this GPU.*head dim 16.*other mods keep the Gluon kernel"):
             out = maskc.compiled_attention(q, k, v, mask_mod=masks.causal)
@@ -457,7 +464,7 @@ def test_always_and_deterministic_compile_before_the_first_call(monkeypatch, how
     else:
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     try:
-        maskc.compiled_attention(*_inputs(), mask_mod=masks.causal)
+        maskc.compiled_attention(*qkv(Lq=100), mask_mod=masks.causal)
         assert (fake.warmed, fake.launched) == (0, 1)
     finally:
         plan.PLANS.clear()

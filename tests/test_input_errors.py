@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import maskc
+from _inputs import qkv, randn
 from maskc import masks, scores
 from maskc.testing import assert_close_to_reference, attention_reference
 
@@ -15,14 +16,6 @@ from maskc.testing import assert_close_to_reference, attention_reference
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("MASKC_CACHE_DIR", str(tmp_path / "kernels"))
-
-
-def _t(*shape, dtype=torch.float32):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
-
-
-def _qkv(B=1, Hq=2, Hkv=2, Lq=40, Lkv=40, D=32, Dv=32, dtype=torch.float32):
-    return _t(B, Hq, Lq, D, dtype=dtype), _t(B, Hkv, Lkv, D, dtype=dtype), _t(B, Hkv, Lkv, Dv, dtype=dtype)
 
 
 def _raises(exc, words, fn, *args, **kwargs):
@@ -45,77 +38,77 @@ attention = maskc.compiled_attention
 @pytest.mark.parametrize("which", [0, 1, 2])
 @pytest.mark.parametrize("shape", [(40, 32), (2, 40, 32), (1, 1, 2, 40, 32)], ids=["2d", "3d", "5d"])
 def test_wrong_rank(which, shape):
-    args = list(_qkv())
-    args[which] = _t(*shape)
+    args = list(qkv())
+    args[which] = randn(*shape)
     _raises(ValueError, ["qkv"[which], "4 dimensions", str(tuple(shape))], attention, *args)
 
 
 def test_not_a_tensor():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     _raises(TypeError, ["k", "torch.Tensor", "list"], attention, q, k.tolist(), v)
 
 
 def test_batch_mismatch():
-    q, _, _ = _qkv(B=2)
-    _, k, v = _qkv(B=3)
+    q, _, _ = qkv(B=2)
+    _, k, v = qkv(B=3)
     _raises(ValueError, ["batch", "2", "3"], attention, q, k, v)
 
 
 def test_kv_heads_mismatch():
-    q, k, _ = _qkv(Hq=2, Hkv=2)
-    v = _t(1, 1, 40, 32)
+    q, k, _ = qkv(Hq=2, Hkv=2)
+    v = randn(1, 1, 40, 32)
     _raises(ValueError, ["heads", "2", "1"], attention, q, k, v, enable_gqa=True)
 
 
 def test_head_dim_mismatch():
-    q, _, v = _qkv(D=32)
-    k = _t(1, 2, 40, 64)
+    q, _, v = qkv(D=32)
+    k = randn(1, 2, 40, 64)
     _raises(ValueError, ["head dim", "32", "64"], attention, q, k, v)
 
 
 def test_kv_length_mismatch():
-    q, k, _ = _qkv(Lkv=40)
-    v = _t(1, 2, 41, 32)
+    q, k, _ = qkv(Lkv=40)
+    v = randn(1, 2, 41, 32)
     _raises(ValueError, ["length", "40", "41"], attention, q, k, v)
 
 
 def test_heads_not_a_multiple():
-    q, k, v = _qkv(Hq=3, Hkv=2)
+    q, k, v = qkv(Hq=3, Hkv=2)
     _raises(ValueError, ["3", "2", "multiple"], attention, q, k, v, enable_gqa=True)
 
 
 def test_gqa_needs_enable_gqa():
-    q, k, v = _qkv(Hq=4, Hkv=2)
+    q, k, v = qkv(Hq=4, Hkv=2)
     _raises(ValueError, ["enable_gqa=True"], attention, q, k, v)
 
 
 @pytest.mark.parametrize("D,Dv,word", [(8, 32, "q/k head dim"), (512, 32, "q/k head dim"), (32, 8, "v head dim"),
                                        (32, 512, "v head dim")])
 def test_head_dim_out_of_range(D, Dv, word):
-    q, k, v = _qkv(D=D, Dv=Dv)
+    q, k, v = qkv(D=D, Dv=Dv)
     message = _raises(ValueError, [word, "16", "256"], attention, q, k, v)
     assert str(min(D, Dv) if min(D, Dv) < 16 else max(D, Dv)) in message
 
 
 def test_zero_heads():
-    q, k, v = _qkv(Hq=0, Hkv=0)
+    q, k, v = qkv(Hq=0, Hkv=0)
     try:
         out = attention(q, k, v)
     except (ValueError, TypeError) as error:
         assert "head" in str(error)
     else:
-        assert out.shape == (1, 0, 40, 32)
+        assert out.shape == (1, 0, 40, 16)
 
 
 # -- dtypes and devices ---------------------------------------------------------------------
 def test_dtype_mismatch():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     _raises(TypeError, ["dtype", "float32", "float16"], attention, q, k.half(), v)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float8_e4m3fn, torch.complex64], ids=str)
 def test_unsupported_dtype(dtype):
-    q, k, v = (t.to(dtype) for t in _qkv())
+    q, k, v = qkv(dtype=dtype)
     _raises(TypeError, ["float16", "bfloat16", "float32", str(dtype)], attention, q, k, v)
 
 
@@ -128,18 +121,18 @@ def test_compile_unsupported_dtype_and_head_dim():
 
 
 def test_device_mismatch():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     _raises(ValueError, ["one device", "meta"], attention, q, k.to("meta"), v)
 
 
 def test_unsupported_device():
-    q, k, v = (t.to("meta") for t in _qkv())
+    q, k, v = (t.to("meta") for t in qkv())
     _raises(ValueError, ["meta"], attention, q, k, v)
 
 
 def test_captured_tensor_on_another_device():
     ids = torch.zeros(40, dtype=torch.long, device="meta")
-    q, k, v = _qkv()
+    q, k, v = qkv()
     _raises(ValueError, ["captured tensor", "meta", "cpu", "document"], attention, q, k, v,
             mask_mod=masks.document(ids))
     slopes = torch.ones(2, device="meta")
@@ -148,7 +141,7 @@ def test_captured_tensor_on_another_device():
 
 # -- block maps -----------------------------------------------------------------------------
 def test_block_map_for_other_lengths():
-    q, k, v = _qkv(Lq=40, Lkv=40)
+    q, k, v = qkv(Lq=40, Lkv=40)
     bm = maskc.block_map(masks.causal, 64, 40, block_size=(32, 32))
     _raises(ValueError, ["block_map", "q_len=64", "q_len=40"], attention, q, k, v, mask_mod=masks.causal,
             block_map=bm)
@@ -159,14 +152,14 @@ def test_block_map_for_other_lengths():
 
 @pytest.mark.parametrize("block_size", [(48, 32), (32, 24), (8, 32), (32, 512)], ids=str)
 def test_block_map_tile_sizes_not_powers_of_two(block_size):
-    q, k, v = _qkv()
+    q, k, v = qkv()
     bm = maskc.block_map(masks.causal, 40, 40, block_size=block_size)
     _raises(ValueError, ["powers of two", str(block_size)], attention, q, k, v, mask_mod=masks.causal,
             block_map=bm)
 
 
 def test_block_map_wrong_type():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     _raises(TypeError, ["block_map", "maskc.BlockMap", "Tensor"], attention, q, k, v, mask_mod=masks.causal,
             block_map=torch.zeros(2, 2))
 
@@ -178,7 +171,7 @@ def test_block_map_for_other_batch_or_heads():
     def per_head(b, h, q_idx, kv_idx):
         return (h == 0) | (q_idx >= kv_idx)
 
-    q, k, v = _qkv(B=3, Hq=2)
+    q, k, v = qkv(B=3, Hq=2)
     bm = maskc.block_map(per_batch, 40, 40, block_size=(32, 32), B=2)
     _raises(ValueError, ["B=2", "B=3"], attention, q, k, v, mask_mod=per_batch, block_map=bm)
     # a map of more batch rows serves fewer inputs with its first rows, as FlexAttention reads a
@@ -186,20 +179,20 @@ def test_block_map_for_other_batch_or_heads():
     bm = maskc.block_map(per_batch, 40, 40, block_size=(32, 32), B=4)
     assert_close_to_reference(attention(q, k, v, mask_mod=per_batch, block_map=bm),
                               attention_reference(q, k, v, mask_mod=per_batch)[0], q.dtype)
-    q, k, v = _qkv(B=2, Hq=2)
+    q, k, v = qkv(B=2, Hq=2)
     bm = maskc.block_map(per_head, 40, 40, block_size=(32, 32), H=4)
     _raises(ValueError, ["H=4", "H=2"], attention, q, k, v, mask_mod=per_head, block_map=bm)
 
 
 def test_block_map_on_another_device():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     bm = maskc.block_map(masks.causal, 40, 40, block_size=(32, 32)).to("meta")
     _raises(ValueError, ["block_map", "meta", "cpu", "block_map.to('cpu')"], attention, q, k, v,
             mask_mod=masks.causal, block_map=bm)
 
 
 def test_block_map_that_records_no_mask():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     bm = maskc.block_map(masks.causal, 40, 40, block_size=(32, 32)).transposed  # a map of tiles alone
     _raises(ValueError, ["block_map", "records no mask", "maskc.block_map("], attention, q, k, v,
             mask_mod=masks.causal, block_map=bm)
@@ -225,7 +218,7 @@ def test_compile_rejects_tile_sizes_not_powers_of_two():
 def test_mask_captured_tensor_requiring_grad():
     """A score mod's captured tensor that requires grad gets its gradient
     (tests/test_captured_grads.py); a mask's is refused: its values only choose pairs."""
-    q, k, v = _qkv()
+    q, k, v = qkv()
     ids = torch.zeros(q.shape[2]).requires_grad_()
 
     @maskc.mask_mod
@@ -239,18 +232,18 @@ def test_mask_captured_tensor_requiring_grad():
 
 # -- mods -----------------------------------------------------------------------------------
 def test_score_mod_passed_as_mask_mod():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     _raises(TypeError, ["mask_mod", "score_mod", "softcap"], attention, q, k, v, mask_mod=scores.softcap(5.0))
     _raises(TypeError, ["score_mod", "mask_mod", "causal"], attention, q, k, v, score_mod=masks.causal)
 
 
 def test_mask_mod_that_is_not_a_function():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     _raises(TypeError, ["mask_mod", "function", "int"], attention, q, k, v, mask_mod=3)
 
 
 def test_mask_mod_with_wrong_arity():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     _raises(maskc.MaskTraceError, ["mask_mod", "4 positional arguments", "(b, h, q_idx, kv_idx)"], attention, q, k,
             v, mask_mod=lambda q_idx, kv_idx: q_idx >= kv_idx)
 

@@ -13,6 +13,7 @@ from sympy.core.cache import clear_cache
 from sympy.core.facts import InconsistentAssumptions
 
 import maskc
+from _inputs import qkv
 from maskc.analysis.dense import evaluate, symbols_env
 from maskc.codegen.printer import Printed, TritonPrinter, tensor_args
 from maskc.testing import assert_close_to_reference, attention_reference
@@ -455,15 +456,34 @@ def _assert_printed_value(expr, p0, printer_block):
         np.testing.assert_array_equal(got, expected, err_msg=f"{expr}\nprinted: {text}")
 
 
-@settings(max_examples=400)
-@given(expr=_ints(4) | _bools(3) | _compared_comparisons(), p0=st.sampled_from([3, -4, 1]), printer_block=st.booleans())
+_INTEGER_TREES = dict(expr=_ints(4) | _bools(3) | _compared_comparisons(), p0=st.sampled_from([3, -4, 1]),
+                      printer_block=st.booleans())
+_FLOAT_TREES = dict(expr=_floats(4), p0=st.sampled_from([0.75, -2.0]), printer_block=st.booleans())
+
+
+@settings(max_examples=100)
+@given(**_INTEGER_TREES)
 def test_printed_integer_and_boolean_expressions_evaluate_as_the_tree(expr, p0, printer_block):
     _assert_printed_value(expr, p0, printer_block)
 
 
-@settings(max_examples=150)
-@given(expr=_floats(4), p0=st.sampled_from([0.75, -2.0]), printer_block=st.booleans())
+@pytest.mark.slow
+@settings(max_examples=400)
+@given(**_INTEGER_TREES)
+def test_printed_integer_and_boolean_expressions_evaluate_as_the_tree_deep(expr, p0, printer_block):
+    _assert_printed_value(expr, p0, printer_block)
+
+
+@settings(max_examples=40)
+@given(**_FLOAT_TREES)
 def test_printed_float_expressions_evaluate_as_the_tree(expr, p0, printer_block):
+    _assert_printed_value(expr, p0, printer_block)
+
+
+@pytest.mark.slow
+@settings(max_examples=150)
+@given(**_FLOAT_TREES)
+def test_printed_float_expressions_evaluate_as_the_tree_deep(expr, p0, printer_block):
     _assert_printed_value(expr, p0, printer_block)
 
 
@@ -523,12 +543,6 @@ def _cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("MASKC_CACHE_DIR", str(tmp_path / "kernels"))
 
 
-def _qkv(Lq, Lkv, D=16):
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(1, 1, Lq, D, generator=g), torch.randn(1, 1, Lkv, D, generator=g), \
-        torch.randn(1, 1, Lkv, D, generator=g)
-
-
 def test_negative_floor_division_and_modulo_in_a_kernel(_cache_dir):
     def negatives(b, h, q_idx, kv_idx):
         return ((q_idx - kv_idx) // 3 == -1) | ((q_idx - kv_idx) % 5 == 2)
@@ -539,7 +553,7 @@ def test_negative_floor_division_and_modulo_in_a_kernel(_cache_dir):
     assert "_mod(q_idx - kv_idx, 5)" in kernel.source
     # with C's truncation, d // 3 == -1 would hold for d in -5..-3 instead of -3..-1,
     # and d % 5 == 2 would miss d = -3, -8, ...
-    q, k, v = _qkv(45, 60)
+    q, k, v = qkv(1, 1, Lq=45, Lkv=60)
     out, lse = maskc.compiled_attention(q, k, v, mask_mod=mask, return_lse=True)
     ref, ref_lse = attention_reference(q, k, v, mask_mod=mask)
     assert_close_to_reference(out, ref)
@@ -553,7 +567,7 @@ def test_negative_divisors_and_runtime_divisors_in_a_kernel(_cache_dir):
         d = q_idx - kv_idx
         return (d % -6 == -1) | (d // divisor == -3) | (d % divisor == 3) & (kv_idx % 7 == 1)
 
-    q, k, v = _qkv(50, 41)
+    q, k, v = qkv(1, 1, Lq=50, Lkv=41)
     out, lse = maskc.compiled_attention(q, k, v, mask_mod=mixed, return_lse=True)
     ref, ref_lse = attention_reference(q, k, v, mask_mod=mixed)
     assert_close_to_reference(out, ref)

@@ -11,6 +11,7 @@ from triton.runtime.errors import InterpreterError
 
 import maskc
 import maskc.codegen
+from _inputs import randn
 from maskc import masks, scores
 from maskc.analysis.classify import EMPTY, FULL, PARTIAL
 from maskc.runtime import kernel as kernel_module
@@ -21,10 +22,6 @@ from maskc.settings import SETTINGS
 from maskc.testing import assert_close_to_reference, attention_reference
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _randn(*shape, seed):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
 
 
 # -- one map, any kernel tiles ---------------------------------------------------------------
@@ -38,9 +35,9 @@ MASKS = [masks.causal, masks.sliding_window(13), masks.document(torch.tensor([0]
 def test_a_map_at_any_tiles_drives_the_kernels(mask, map_tiles):
     # lengths past a multiple of every tile: a map tile may end past the last kernel tile
     Lq, Lkv = 77, 77
-    q, k, v = (_randn(1, 2, L, 32, seed=i).requires_grad_() for i, L in enumerate((Lq, Lkv, Lkv)))
+    q, k, v = (randn(1, 2, L, 32, seed=i).requires_grad_() for i, L in enumerate((Lq, Lkv, Lkv)))
     bm = maskc.block_map(mask, Lq, Lkv, block_size=map_tiles)
-    d_out = _randn(1, 2, Lq, 32, seed=9)
+    d_out = randn(1, 2, Lq, 32, seed=9)
     with use_config(backward=BackwardConfig(TileConfig(64, 16, 4, 1), TileConfig(16, 32, 4, 1))):
         out = maskc.compiled_attention(q, k, v, block_map=bm)
         grads = torch.autograd.grad(out, (q, k, v), d_out)
@@ -78,7 +75,7 @@ def test_tiles_have_one_rule():
     chosen = choose(64, "cpu", 4, block_map_size=(128, 128))
     assert chosen.sparse == (128, 128)
     assert choose(64, "cpu", 4).sparse == (chosen.forward.block_m, chosen.forward.block_n)
-    q = _randn(1, 1, 40, 32, seed=0)
+    q = randn(1, 1, 40, 32, seed=0)
     bm = maskc.block_map(masks.causal, 40, 40, block_size=(48, 32))
     with pytest.raises(ValueError, match="block_map tile sizes must be two powers of two"):
         maskc.compiled_attention(q, q, q, block_map=bm)

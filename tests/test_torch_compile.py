@@ -10,6 +10,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import maskc
+from _inputs import randn
 from maskc import masks, scores
 from maskc.testing import assert_close_to_reference, attention_reference
 
@@ -52,8 +53,8 @@ def _model(mask_mod=None, score_mod=None):
     return SelfAttention(mask_mod, score_mod)
 
 
-def _x(n=L, seed=1):
-    return torch.randn(1, n, DIM, generator=torch.Generator().manual_seed(seed))
+def _x(n=L):
+    return randn(1, n, DIM, seed=1)
 
 
 def _step(model, x):

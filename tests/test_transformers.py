@@ -175,6 +175,7 @@ def test_refusals_say_why(llama):
         llama[0](input_ids=ids, attention_mask=dense)
 
 
+@pytest.mark.slow  # Dynamo compiles the model three times; maskc's operators under compile: test_torch_compile.py
 def test_torch_compile_of_the_model_runs_without_recompiling():
     # the model's mask functions run outside the graph (one break per forward pass, in
     # layer_mask); the layers compile once without padding and once with it (another mask

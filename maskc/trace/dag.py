@@ -110,16 +110,23 @@ def make(func, *args):
         return func(*args, evaluate=False)
     if func is sympy.Mod and _squares_a_mod(args[0]):
         return func(*args, evaluate=False)
-    if func is sympy.Abs and _holds_an_abs(args[0]):
+    if func is sympy.Abs and _holds(args[0], sympy.Abs):
         # sympy's Abs simplifies the signs of its whole argument (signsimp) on every level: a mod
         # nesting abs(x - i) in a loop traced in O(n^3), 3 s at 60 levels, 9 s at 80
+        return func(*args, evaluate=False)
+    if func in (sympy.floor, sympy.ceiling) and _holds(args[0], _ROUNDINGS):
+        # sympy's floor asks the assumptions of its whole argument on every level: a mod nesting
+        # floor(x / 2) + kv_idx in a loop took 44 s at 100 levels to reach the recursion limit
         return func(*args, evaluate=False)
     return func(*args)
 
 
+_ROUNDINGS = (sympy.floor, sympy.ceiling)
+
+
 @identity_cache(maxsize=1 << 16)
-def _holds_an_abs(e) -> bool:
-    return isinstance(e, sympy.Abs) or any(_holds_an_abs(a) for a in e.args)
+def _holds(e, kinds) -> bool:
+    return isinstance(e, kinds) or any(_holds(a, kinds) for a in e.args)
 
 
 def _squares_a_mod(dividend) -> bool:
