@@ -110,7 +110,8 @@ def _loss(out, lse, g_out, g_lse):
     return (out * g_out).sum() + torch.where(torch.isinf(lse), 0.0, lse * g_lse).sum()
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+# 3 and 4 ranks (uneven shards, the zigzag split over more ranks) in the slow lane
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_matches_single_process_and_reference(world_size):
     _spawn(_check_cases, world_size)
 
@@ -157,6 +158,7 @@ def _check_sliding_window_and_short_ragged(rank, world_size):
     torch.testing.assert_close(plan.unshard(out.detach()).double(), want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow  # 4 ranks; the ring's skip decisions are unit-tested below without processes
 def test_sliding_window_skips_ring_steps():
     _spawn(_check_sliding_window_and_short_ragged, 4)
 
@@ -181,6 +183,41 @@ def _check_errors(rank, world_size):
         md.attention(q, q, q, plan)
     with pytest.raises(TypeError, match="ContextParallelPlan"):
         md.attention(q, q, q, "plan")
+    _check_ranks_disagree(rank)
+
+
+def _check_ranks_disagree(rank):
+    # every rank raises, naming what differs where, instead of aborting inside gloo (shapes,
+    # dtypes) or merging shards computed two ways (scale, score mods)
+    plan = md.plan(maskc.masks.causal, 40, block_size=16)
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    qs, ks, vs = (plan.shard(x) for x in (q, k, v))
+    softcap = maskc.scores.softcap(2.0 + rank)
+    differ = {
+        "scale is 0.25 on rank 0 and 0.5 on rank 1": dict(scale=0.25 if rank == 0 else 0.5),
+        "score_mod is none on rank 0 and 'softcap_2": dict(score_mod=maskc.scores.softcap(2.0) if rank else None),
+        r"numbers \(2.0,\).* on rank 0 and .*numbers \(3.0,\).* on rank 1": dict(score_mod=softcap),
+        r"q is \[1, 2, \*, 16\] float32 on rank 0 and \[2, 2, \*, 16\] float32 on rank 1":
+        dict(q=qs.expand(1 + rank, -1, -1, -1), k=ks.expand(1 + rank, -1, -1, -1), v=vs.expand(1 + rank, -1, -1, -1)),
+        "k is .* float32 on rank 0 and .* float64 on rank 1": dict(q=qs.double(), k=ks.double(), v=vs.double())
+        if rank else {},
+        "backward is recorded on rank 0 and not recorded on rank 1": dict(q=qs.clone().requires_grad_(not rank)),
+    }
+    for message, change in differ.items():
+        args = dict(q=qs, k=ks, v=vs) | change
+        with pytest.raises(maskc.MaskcError, match=message):
+            md.attention(args.pop("q"), args.pop("k"), args.pop("v"), plan, **args)
+    # rank 1 alone fails its own check: it raises that, and rank 0 says where to look
+    with pytest.raises(ValueError if rank else maskc.MaskcError,
+                       match="this rank's shard" if rank else "failed on rank 1: .*this rank's shard"):
+        md.attention(q if rank else qs, ks, vs, plan)
+    # the collectives stay in step: the agreed call runs, then a call rank 0 has made before and
+    # rank 1 has not is still compared on both (rank 0's cache must not skip the exchange)
+    out = plan.unshard(md.attention(qs, ks, vs, plan, scale=0.25))
+    want, _ = attention_reference(q, k, v, mask_mod=maskc.masks.causal, scale=0.25)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    with pytest.raises(maskc.MaskcError, match="scale is 0.25 on rank 0 and 0.125 on rank 1"):
+        md.attention(qs, ks, vs, plan, scale=0.25 if rank == 0 else 0.125)
 
 
 def _check_compiled(rank, world_size):
@@ -199,6 +236,9 @@ def _check_compiled(rank, world_size):
     want.sum().backward()
     torch.testing.assert_close(plan.unshard(out.detach()), want.detach(), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(plan.unshard(qs.grad), q1.grad, atol=2e-5, rtol=2e-5)
+    # the call is a graph break that runs eagerly: ranks that disagree raise there too
+    with pytest.raises(maskc.MaskcError, match="scale is 0.5 on rank 0 and 0.25 on rank 1"):
+        torch.compile(lambda x: md.attention(x, x, x, plan, scale=0.5 / (1 + rank)), backend="eager")(qs.detach())
 
 
 _CAP = 2.0
@@ -285,6 +325,7 @@ def _check_subgroup_and_edges(rank, world_size):
         md.attention(q4, q4, q4, plan)
 
 
+@pytest.mark.slow  # 3 ranks
 def test_subgroups_empty_shards_and_head_masks():
     _spawn(_check_subgroup_and_edges, 3)
 

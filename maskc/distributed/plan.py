@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from maskc.analysis.build import block_map
+from maskc.distributed import agree
 from maskc.distributed import layout as layouts
 from maskc.trace import symbols
 from maskc.trace.dag import free_symbols
@@ -26,8 +27,10 @@ class ContextParallelPlan:
     `skipped_steps` counts the others, which send nothing."""
 
     def __init__(self, mask_mod, seq_len: int, block_size: int, layout: layouts.Layout, group, rank: int,
-                 reads: dict):
+                 reads: dict, fingerprint: int):
         self.mask_mod = mask_mod
+        # the digest of mask, length and layout that every rank of the group agreed on in plan()
+        self._fingerprint = fingerprint
         self._reads = reads  # {"b": B, "h": H} for the index arguments the mask reads: the map holds for those
         self.seq_len = seq_len
         self.block_size = block_size
@@ -181,15 +184,15 @@ def plan(mask_mod, seq_len: int, *, group=None, block_size: int = 128, B: int | 
         free = free_symbols(mask.traced.expr)
         reads = {name: size for name, symbol, size in (("b", symbols.B, B), ("h", symbols.H, H)) if symbol in free}
     chosen = layouts.choose(kept, seq_len, block_size, world_size)
-    _check_agreement(mask, chosen, seq_len, block_size, reads, group, rank)
-    return ContextParallelPlan(mask, seq_len, block_size, chosen, group, rank, reads)
+    fingerprint = _check_agreement(mask, chosen, seq_len, block_size, reads, group, rank)
+    return ContextParallelPlan(mask, seq_len, block_size, chosen, group, rank, reads, fingerprint)
 
 
 def _check_agreement(mask, chosen: layouts.Layout, seq_len: int, block_size: int, reads: dict, group,
-                     rank: int) -> None:
+                     rank: int) -> int:
     """Every rank must plan the same mask and layout, or the ring would pair mismatched shards
     or each rank would run its own mask; this all-gather is also the group's first collective,
-    which NCCL's batched point-to-point needs."""
+    which NCCL's batched point-to-point needs. Returns the plan's fingerprint, the same on every rank."""
     what = (seq_len, block_size, chosen, sorted(reads.items()))
     if mask is not None:
         traced = mask.traced
@@ -198,17 +201,15 @@ def _check_agreement(mask, chosen: layouts.Layout, seq_len: int, block_size: int
                  [zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
                   for t in traced.tensors])
     fingerprint = zlib.crc32(repr(what).encode())
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    mine = torch.tensor([seq_len, fingerprint], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(chosen.world_size)]
-    dist.all_gather(every, mine, group=group)
-    for r, theirs in enumerate(every):
+    mine = torch.tensor([seq_len, fingerprint], dtype=torch.int64, device=agree.device(group))
+    for r, theirs in enumerate(agree.gathered(mine, group, chosen.world_size)):
         if not torch.equal(theirs, mine):
             length = int(theirs[0])
             raise ValueError(f"every rank must call maskc.distributed.plan with the same mask_mod and seq_len: rank "
                              f"{rank} has seq_len {seq_len} and rank {r} has {length}"
                              + ("" if length != seq_len else " with another mask (or other captured values)")
                              + "; build the mask from the same values on every rank")
+    return fingerprint
 
 
 __all__ = ["ContextParallelPlan", "plan"]

@@ -19,7 +19,9 @@ import math
 import torch
 import torch.distributed as dist
 
+from maskc.distributed import agree
 from maskc.distributed.plan import ContextParallelPlan
+from maskc.errors import MaskcError
 from maskc.runtime import launch
 from maskc.runtime import plan as planning
 from maskc.runtime import tiles
@@ -28,6 +30,7 @@ from maskc.trace.mods import MaskMod, ScoreMod, as_score_mod
 
 _RINGS = 8  # the score mods a plan keeps the pair mods and Problems of
 _PROBLEMS = 1024
+_AGREEMENTS = 64  # the call signatures a ring keeps the description of (agree.py)
 
 
 # Under torch.compile the call is a graph break: its communication and planning run eagerly, and
@@ -41,27 +44,35 @@ def attention(q, k, v, plan: ContextParallelPlan, *, score_mod=None, scale=None,
     q [B, Hq, plan.local_len, D], k and v [B, Hkv, plan.local_len, D/Dv], as plan.shard gives
     them. Returns this rank's out [B, Hq, plan.local_len, Dv] (and lse [B, Hq, plan.local_len]
     with return_lse). The plan's mask_mod and score_mod see global positions. Every rank of the
-    group calls it (and its backward) together.
+    group calls it (and its backward) together, alike but for its shard: each call compares the
+    ranks' calls with one 8-byte all-reduce, and where they differ (shapes, dtype, scale,
+    score_mod, plan) or one rank's own checks fail, every rank raises.
 
     >>> plan = maskc.distributed.plan(maskc.masks.causal, seq_len)
     >>> out = maskc.distributed.attention(plan.shard(q), plan.shard(k), plan.shard(v), plan)
     """
     if not isinstance(plan, ContextParallelPlan):
         raise TypeError(f"plan must be a ContextParallelPlan from maskc.distributed.plan, got {type(plan).__name__}")
-    planning.check_tensors(q, k, v, enable_gqa)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape[2] != plan.local_len:
-            raise ValueError(f"{name} must hold this rank's shard of {plan.local_len} positions (plan.shard of the "
-                             f"full tensor), got shape {tuple(t.shape)}")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"k and v must have q's batch size under context parallelism, got {k.shape[0]} and "
-                         f"{q.shape[0]}; expand them")
-    plan.check_current(q.shape[0], q.shape[1])
-    score = as_score_mod(score_mod)
+    try:
+        planning.check_tensors(q, k, v, enable_gqa)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.shape[2] != plan.local_len:
+                raise ValueError(f"{name} must hold this rank's shard of {plan.local_len} positions (plan.shard of "
+                                 f"the full tensor), got shape {tuple(t.shape)}")
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(f"k and v must have q's batch size under context parallelism, got {k.shape[0]} and "
+                             f"{q.shape[0]}; expand them")
+        plan.check_current(q.shape[0], q.shape[1])
+        score = as_score_mod(score_mod)
+        traced = score.traced if score is not None else None  # re-traced where its guards fail, which may refuse
+        scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    except (MaskcError, ValueError, TypeError) as error:
+        # the other ranks wait in this call's exchange: answer them, so that they raise too
+        raise agree.refused(plan, error)
     ring = _Ring.of(plan, score)
-    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    captured = tuple(t for t in (score.traced.tensors if score is not None else ()) if t.requires_grad)
+    captured = tuple(t for t in (traced.tensors if traced is not None else ()) if t.requires_grad)
     differentiable = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or bool(captured))
+    ring.agree(traced, q, k, v, scale, differentiable)
     if differentiable:
         out, lse = _RingFunction.apply(q, k, v, ring, scale, *captured)
     else:
@@ -103,6 +114,43 @@ class _Ring:
         self.score = score
         self._mods: dict = {}
         self.problems: dict = {}
+        self._agreements: dict = {}
+
+    def agree(self, traced, q, k, v, scale: float, differentiable: bool) -> None:
+        """Check that every rank makes this call alike (agree.check, a collective), describing the
+        call once per local signature; `traced` is the score mod's current trace."""
+        # values only, no tensors: a score mod re-traced on every call must not keep old ones alive
+        score = None if traced is None else (traced.signature, tuple(p.value for p in traced.params),
+                                             tuple((t.shape, t.dtype, t.requires_grad) for t in traced.tensors))
+        key = (score, q.shape, k.shape, v.shape, q.dtype, scale, differentiable)
+        found = self._agreements.get(key)
+        if found is None:
+            if len(self._agreements) >= _AGREEMENTS:  # a captured number that changes on every call
+                self._agreements.clear()
+            description = self._description(traced, q, k, v, scale, differentiable)
+            found = self._agreements[key] = (agree.digest(description), description)
+        agree.check(self.plan, *found)
+
+    def _description(self, traced, q, k, v, scale: float, differentiable: bool) -> dict[str, str]:
+        """What every rank's call must share: the plan, shapes but for the positions (GQA follows
+        from the heads), dtype, scale, score mod, and whether a backward will run the ring again
+        (and reduce the captured tensors' gradients over the group)."""
+        plan = self.plan
+
+        def shape(t):
+            return f"[{t.shape[0]}, {t.shape[1]}, *, {t.shape[3]}] {str(t.dtype).removeprefix('torch.')}"
+
+        def tensor(t):
+            return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}{' learnable' if t.requires_grad else ''}"
+
+        name = plan.mask_mod.__name__ if plan.mask_mod is not None else "none"
+        score = "none" if traced is None else (
+            f"'{self.score.__name__}' (expression {traced.digest}, numbers {tuple(p.value for p in traced.params)}, "
+            f"tensors ({', '.join(tensor(t) for t in traced.tensors)}))")
+        return {"plan": f"{plan.layout} layout of {plan.seq_len} positions, mask '{name}' "
+                        f"(fingerprint {plan._fingerprint:08x})",
+                "q": shape(q), "k": shape(k), "v": shape(v), "scale": repr(scale), "score_mod": score,
+                "backward": "recorded" if differentiable else "not recorded"}
 
     def _mods_of(self, qc: int, kc: int):
         mods = self._mods.get((qc, kc))
