@@ -1,0 +1,95 @@
+"""Decoding steps captured in a CUDA graph and replayed on new inputs give the bits of the same
+calls made eagerly (DESIGN.md: the family a call runs does not depend on how it was called): a
+step over contiguous keys with kv_lens, and a serving step over a paged cache (append one token
+to each sequence, then attend). A first eager call plans the step; the capture records launches
+only."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import maskc
+
+from ._common import lane_sample
+
+MODS = {
+    "causal": lambda L, H: (maskc.masks.causal, None),
+    "sliding 100, softcap": lambda L, H: (maskc.masks.sliding_window(100), maskc.scores.softcap(30.0)),
+    "document, ALiBi": lambda L, H: (
+        maskc.masks.document(torch.arange(L, device="cuda") // 300, causal=True),
+        maskc.scores.alibi(maskc.scores.alibi_slopes(H).cuda())),
+}
+
+
+def _captured(step):
+    """A CUDA graph of step() after two warm-up calls on a side stream, and the outputs it writes."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
+@pytest.mark.parametrize("mods, lq", lane_sample([(m, lq) for m in MODS for lq in (1, 4)],
+                                                  lambda i, v: i in (0, 3, 4), ids=lambda v: f"{v[0]}-Lq{v[1]}"))
+def test_decode_step_replayed(mods, lq):
+    B, Hq, Hkv, L, D = 3, 8, 2, 1000, 128
+    mask, score = MODS[mods](L, Hq)
+    q = torch.randn(B, Hq, lq, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    lens = torch.tensor([L, 517, lq], dtype=torch.int32, device="cuda")
+
+    def step():
+        return maskc.compiled_attention(q, k, v, mask_mod=mask, score_mod=score, enable_gqa=True, kv_lens=lens,
+                                        return_lse=True)
+
+    graph, (out, lse) = _captured(step)
+    for n in range(3):
+        q.copy_(torch.randn_like(q))
+        k.copy_(torch.randn_like(k))
+        lens.copy_(torch.tensor([L - n, 300 + 100 * n, lq + n], dtype=torch.int32))
+        graph.replay()
+        want, want_lse = step()
+        assert torch.equal(out, want), f"replay {n}: out differs from the eager call by {(out - want).abs().max():.3g}"
+        assert torch.equal(lse, want_lse), f"replay {n}: lse differs from the eager call"
+
+
+@pytest.mark.parametrize("mods, page_size", lane_sample([(m, p) for m in MODS for p in (16, 64)],
+                                                         lambda i, v: i in (1, 2, 5),
+                                                         ids=lambda v: f"{v[0]}-page{v[1]}"))
+def test_paged_step_replayed(mods, page_size):
+    """Each replay appends a token to every sequence and attends over the cache: the outputs equal
+    an eager step's over a copy of the cache at the same state."""
+    B, Hq, Hkv, D, prompt = 3, 8, 2, 128, 700
+    caches = [maskc.PagedKVCache(B * (prompt + 64) // page_size + B, page_size, Hkv, D, dtype=torch.bfloat16,
+                                 device="cuda", max_seqs=4, max_pages_per_seq=(prompt + 64) // page_size + 1)
+              for _ in range(2)]
+    mask, score = MODS[mods](caches[0].capacity, Hq)  # mods see logical positions up to the capacity
+    seq_ids = torch.tensor([2, 0, 3], dtype=torch.int32, device="cuda")
+    k, v = (torch.randn(B, Hkv, prompt, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    for cache in caches:
+        cache.append(seq_ids, k[:, :, :prompt // 3], v[:, :, :prompt // 3])
+        cache.append(seq_ids, k[:, :, prompt // 3:], v[:, :, prompt // 3:])
+    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+    k_new, v_new = (torch.randn(B, Hkv, 1, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+
+    def step(cache):
+        cache.append(seq_ids, k_new, v_new)
+        return maskc.paged_attention(q, cache, seq_ids, mask_mod=mask, score_mod=score, enable_gqa=True)
+
+    graph, out = _captured(lambda: step(caches[0]))
+    for _ in range(2):  # the eager cache catches up with the warm-up appends (a capture runs nothing)
+        step(caches[1])
+    for n in range(5):
+        for t in (q, k_new, v_new):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        want = step(caches[1])
+        assert torch.equal(caches[0].lens, caches[1].lens), f"replay {n}: lens differ"
+        assert torch.equal(out, want), f"replay {n}: out differs from the eager step by {(out - want).abs().max():.3g}"
+    caches[0].check()
