@@ -11,7 +11,7 @@ from maskc.integrations.flex import (BlockMask, and_masks, create_block_mask, cr
                                      or_masks)
 from maskc.plot import plot
 from maskc.runtime import (CacheInfo, CompiledKernel, PagedKVCache, cache_info, compile, compiled_attention,
-                           paged_attention)
+                           invalidate, paged_attention)
 from maskc.trace import MaskMod, ScoreMod, mask_mod, score_mod
 
 
@@ -24,5 +24,5 @@ def __getattr__(name: str):
 
 __all__ = ["BlockMap", "BlockMask", "CacheInfo", "CompiledKernel", "MaskMod", "MaskTraceError", "MaskcError",
            "PagedKVCache", "ScoreMod", "__version__", "and_masks", "block_map", "cache_info", "compile",
-           "compiled_attention", "create_block_mask", "create_mask", "flex_attention", "mask_mod", "masks", "noop_mask",
-           "or_masks", "paged_attention", "plot", "score_mod", "scores"]
+           "compiled_attention", "create_block_mask", "create_mask", "flex_attention", "invalidate", "mask_mod", "masks",
+           "noop_mask", "or_masks", "paged_attention", "plot", "score_mod", "scores"]

@@ -14,3 +14,11 @@ class MaskTraceError(MaskcError, TypeError):
     Example message: ``mask_mod 'sliding' uses Python control flow on a traced value at
     masks.py:12; use torch.where(cond, a, b) or & | ~ instead``.
     """
+
+
+class SettingError(MaskcError, ValueError):
+    """An environment setting (maskc/settings.py) holds a value it does not accept.
+
+    Example message: ``MASKC_CACHE_MAX_SIZE must be a size like 500M or 2G (K, M, G, T: powers of
+    1024) or none, got '1e3'; fix or unset it``.
+    """

@@ -1,7 +1,9 @@
 """Every environment knob maskc reads, in one place (README lists them from SETTINGS).
 
 Each is read when it is used, not at import, so a test or a long-running process can change
-it between calls. Nothing else in maskc reads os.environ for its own settings.
+it between calls. Nothing else in maskc reads os.environ for its own settings. Each is checked
+as it is read: a value it does not accept raises SettingError (a MaskcError and a ValueError)
+naming the variable, the value and the accepted form, whatever else the call would have done.
 """
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import os
 import re
 from pathlib import Path
 from typing import NamedTuple
+
+from maskc.errors import SettingError  # a module of classes alone: settings stays a leaf
 
 
 class Setting(NamedTuple):
@@ -28,6 +32,10 @@ SETTINGS = (
     Setting("MASKC_CACHE_MAX_SIZE", "none",
             "a size like 500M or 2G: after writing a kernel, maskc deletes the least recently used kernel files "
             "until the cache directory's kernels fit (K, M, G: powers of 1024)"),
+    Setting("MASKC_PLAN_CACHE_MAX_SIZE", "256M",
+            "the bytes each in-memory cache of plans, block maps and decoding plans may keep alive (captured "
+            "tensors, tables), past which its least recently used entries go (its newest entry stays); none "
+            "bounds them by count alone (64 entries each)"),
     Setting("MASKC_AUTOTUNE", "0",
             "1 times the forward's candidate tiles on the first CUDA call of a kernel and length bucket"),
     Setting("MASKC_TRITON_KEY", "1",
@@ -43,11 +51,16 @@ SETTINGS = (
 )
 
 
-def _flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None or value == "":
+def _flag(name: str, default: bool, accepted: str = "1 or 0") -> bool:
+    value = os.environ.get(name, "").strip()
+    if value == "":
         return default
-    return value not in ("0", "false", "False", "no")
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise SettingError(f"{name} must be {accepted} (1 may also be written true, yes or on; 0 false, no or off), "
+                       f"got {value!r}; fix or unset it")
 
 
 def cache_dir() -> Path:
@@ -66,12 +79,12 @@ def debug() -> bool:
 def log_level() -> str | None:
     """The level MASKC_LOG names ("debug", "info", ...), "debug" under MASKC_DEBUG=1, else None.
 
-    Raises ValueError for a MASKC_LOG that names no level."""
+    Raises SettingError for a MASKC_LOG that names no level."""
     value = os.environ.get("MASKC_LOG", "").strip().lower()
     if value in _LEVELS:
         return value
     if value not in ("", "off", "0"):
-        raise ValueError(f"MASKC_LOG must be one of {', '.join(_LEVELS)} or off, got {value!r}; fix or unset it")
+        raise SettingError(f"MASKC_LOG must be one of {', '.join(_LEVELS)} or off, got {value!r}; fix or unset it")
     return "debug" if debug() else None
 
 
@@ -83,9 +96,21 @@ def cache_max_size() -> int | None:
     value = os.environ.get("MASKC_CACHE_MAX_SIZE", "").strip()
     if value.lower() in ("", "none", "0"):
         return None
-    return parse_size(value, "MASKC_CACHE_MAX_SIZE")
+    try:
+        return parse_size(value, "MASKC_CACHE_MAX_SIZE")
+    except ValueError:
+        raise SettingError(f"MASKC_CACHE_MAX_SIZE must be {_SIZE} or none, got {value!r}; fix or unset it") from None
 
 
+def plan_cache_max_size() -> int | None:
+    """MASKC_PLAN_CACHE_MAX_SIZE in bytes (256 MiB where unset), or None where it is "none"."""
+    value = os.environ.get("MASKC_PLAN_CACHE_MAX_SIZE", "").strip()
+    if value.lower() == "none":
+        return None
+    return parse_size(value or "256M", "MASKC_PLAN_CACHE_MAX_SIZE")
+
+
+_SIZE = "a size like 500M or 2G (K, M, G, T: powers of 1024)"
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -97,7 +122,7 @@ def parse_size(text: str, what: str = "size") -> int:
     """
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
     if not match:
-        raise ValueError(f"{what} must be a size like 500M or 2G (K, M, G, T: powers of 1024), got {text!r}")
+        raise ValueError(f"{what} must be {_SIZE}, got {text!r}")
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
@@ -120,11 +145,10 @@ def direct_launch() -> bool:
 
 def gluon() -> str:
     """"auto", "always" or "never" (MASKC_GLUON 1, always, 0)."""
-    value = os.environ.get("MASKC_GLUON", "1").strip().lower()
-    if value == "always":
-        return value
-    return "auto" if _flag("MASKC_GLUON", True) else "never"
+    if os.environ.get("MASKC_GLUON", "").strip().lower() == "always":
+        return "always"
+    return "auto" if _flag("MASKC_GLUON", True, "1, 0 or always") else "never"
 
 
 __all__ = ["SETTINGS", "Setting", "autotune", "cache_dir", "cache_max_size", "debug", "direct_launch", "gluon",
-           "log_level", "overridden", "parse_size", "triton_key_shortcut"]
+           "log_level", "overridden", "parse_size", "plan_cache_max_size", "triton_key_shortcut"]

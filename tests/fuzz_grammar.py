@@ -1,6 +1,6 @@
 """A grammar of random FlexAttention-style mask_mods and score_mods, written out as Python source
 and exec'd into real functions: code nobody wrote by hand, for tests/test_fuzz_grammar.py (a fixed
-sample on the CPU) and benchmarks/check_gpu_fuzz.py (many on a GPU).
+sample on the CPU) and tests/gpu/test_fuzz.py (many on a GPU).
 
 >>> mod = random_mask_mod(17, max_len=80)
 >>> print(mod.source)
@@ -32,7 +32,7 @@ Every expression is valid wherever it is evaluated, so that a failure is maskc's
   float32 score is off the float64 reference's by about 1e-6, and where that moves a value across
   a step the answers differ by a step. floor(cos(score - 0.1 * abs(q_idx - kv_idx))) at 3000
   positions differs from float64 by 2e-2 in torch's own float32. Steps crossed near a row's
-  largest score can still exceed float32's tolerance: benchmarks/check_gpu_fuzz.py tells those
+  largest score can still exceed float32's tolerance: tests/gpu/test_fuzz.py tells those
   cases apart;
 - float literals that multiply an index are ones whose float32 product rounds like the rational
   they spell (0.1 and 0.7, not 0.3: `ceil(50 * 0.3)` is 16 in torch and 15 in maskc, a documented

@@ -11,8 +11,8 @@ from maskc import masks
 from maskc.analysis import EMPTY, FULL, PARTIAL, build, intervals
 from maskc.analysis.dense import evaluate, symbols_env
 from maskc.analysis.rows import row_pieces
-from maskc.testing import (assert_block_map_exact, assert_block_map_sound, attention_reference, dense_mask,
-                           dense_tiles)
+from maskc.testing import (assert_block_map_exact, assert_block_map_sound, assert_close_to_reference,
+                           attention_reference, dense_mask, dense_tiles)
 from maskc.testing.strategies import mask_cases
 
 
@@ -336,3 +336,42 @@ def test_per_tile_verdicts_and_captured_tensors_stay_on_the_target_device():
     for mask in (masks.chunked_causal(256), masks.document(torch.zeros(64, dtype=torch.int64))):
         assert build._work_device(mask.traced, cuda) == cuda
     assert build._work_device(masks.causal.traced, cuda) == torch.device("cpu")
+
+
+# -- a map's batch and head rows against the call's --------------------------------------------
+_BANDS = torch.tensor([0, 200])
+_HEAD_BANDS = torch.tensor([0, 40, 80, 160])
+
+
+def _band_per_batch(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx <= _BANDS[b]) & (q_idx >= kv_idx)
+
+
+def _band_per_head(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx <= _HEAD_BANDS[h]) & (q_idx >= kv_idx)
+
+
+@pytest.mark.parametrize("mod, rows, name", [(_band_per_batch, {"B": 1}, "B"), (_band_per_head, {"H": 1}, "H")])
+def test_one_row_of_a_mask_that_reads_b_or_h_is_refused_for_more(mod, rows, name):
+    # b = 0's (h = 0's) tiles served every row: whole tiles of the others skipped (errors of 1.7)
+    q = torch.randn(2, 4, 256, 16, generator=torch.Generator().manual_seed(0))
+    bm = maskc.block_map(mod, 256, 256, block_size=(64, 64), **rows)
+    given = {"B": 2, "H": 4}[name]
+    with pytest.raises(maskc.MaskcError, match=rf"reads {name.lower()}, was built with {name}=1 but the inputs "
+                                               rf"have {name}={given}.*build it with {name}={given}"):
+        maskc.compiled_attention(q, q, q, mask_mod=mod, block_map=bm)
+    for block_mask in (create_block_mask(mod, None, None, 256, 256, device="cpu"),
+                       maskc.create_block_mask(mod, None, None, 256, 256, device="cpu")):
+        with pytest.raises(maskc.MaskcError, match=rf"was built with {name}=1"):
+            maskc.flex_attention(q, q, q, block_mask=block_mask)
+    whole = maskc.block_map(mod, 256, 256, block_size=(64, 64), B=2, H=4)
+    out = maskc.compiled_attention(q, q, q, mask_mod=mod, block_map=whole)
+    assert_close_to_reference(out, attention_reference(q, q, q, mask_mod=mod)[0])
+
+
+def test_one_row_still_serves_every_batch_and_head_of_a_mask_that_reads_neither():
+    q = torch.randn(2, 4, 100, 16, generator=torch.Generator().manual_seed(0))
+    bm = maskc.block_map(masks.sliding_window(30), 100, 100, block_size=(32, 32))
+    assert (bm.B, bm.H) == (1, 1)
+    out = maskc.compiled_attention(q, q, q, mask_mod=masks.sliding_window(30), block_map=bm)
+    assert_close_to_reference(out, attention_reference(q, q, q, mask_mod=masks.sliding_window(30))[0])

@@ -150,12 +150,35 @@ def test_show_takes_the_users_own_masks(capsys, user_masks):
     (["cache"], "the following arguments are required: ACTION"),
     (["cache", "prune", "--max-size", "lots"], "--max-size must be a size like 500M or 2G"),
     (["bench", "--dtype", "fp8"], "invalid choice: 'fp8'"),
+    # these ended in tracebacks, or ran (causal=maybe as true)
+    (["show", "causal", "--q-len", "99999999999999"], "q_len must be at most 2**31 - 1"),
+    (["show", "causal", "--q-len", "64", "--kv-len", "2147483648"], "kv_len must be at most 2**31 - 1"),
+    (["show", "causal", "--q-len", "64", "--png", "/nonexistent/dir/x.png"], "--png /nonexistent/dir/x.png: no folder"),
+    (["show", "document:lengths=10,20:causal=maybe"], "causal must be true or false, got 'maybe'"),
+    (["show", "document:10,20:1"], "causal must be true or false, got 1"),
+    (["show", "document:lengths=1000000000000"], "lengths must add up to at most 2**31 - 1"),
+    (["cache", "clear", "--wait", "-1"], "argument --wait: must be a number of seconds, 0 or more"),
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
 def test_bad_arguments_exit_2_with_the_reason(capsys, argv, message):
     code, out, err = cli(capsys, *argv)
     assert code == 2 and out == ""
     assert err.startswith("usage: maskc"), err
     assert message in err, err
+
+
+def test_show_says_when_a_png_cannot_be_written(capsys, tmp_path):
+    (tmp_path / "taken.png").mkdir()  # a folder where the file would go
+    code, _, err = cli(capsys, "show", "causal", "--q-len", "64", "--png", str(tmp_path / "taken.png"))
+    assert code == 2 and "cannot write --png" in err, err
+
+
+def test_show_says_when_a_map_does_not_fit_in_memory(capsys, monkeypatch):
+    def too_large(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(maskc.cli.mask, "block_map", too_large)
+    code, _, err = cli(capsys, "show", "causal", "--batch", "100000", "--heads", "100000")
+    assert code == 1 and "does not fit in this machine's memory" in err, err
 
 
 def test_a_mask_maskc_cannot_trace_is_a_bad_argument(capsys, user_masks):

@@ -80,9 +80,19 @@ def _check(case):
     assert_close_to_reference(lse[finite], ref_lse[finite], torch.float32, what="lse")
 
 
-@settings(deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_DRAWN = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@settings(max_examples=8, **_DRAWN)
 @given(decode_cases())
 def test_kv_lens_matches_reference_for_drawn_mods(case):
+    _check(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=50, **_DRAWN)
+@given(decode_cases())
+def test_kv_lens_matches_reference_for_drawn_mods_deep(case):
     _check(case)
 
 
@@ -291,3 +301,58 @@ def test_a_block_map_for_kv_lens_is_over_key_positions():
     wrong = maskc.block_map(maskc.masks.causal, 2, 40, block_size=(16, 16))
     with pytest.raises(ValueError, match=r"maskc.block_map\(mask, 40, 40\)"):
         maskc.compiled_attention(q, k, k, mask_mod=maskc.masks.causal, block_map=wrong, kv_lens=torch.tensor([30]))
+
+
+def test_int64_lengths_and_slots_past_int32_are_clamped_not_wrapped():
+    """kv_lens and seq_ids past int32 follow the kernel's rules for out-of-range values, a
+    length above the keys' reading as theirs, one below 0 as 0, a slot outside the cache as an
+    empty sequence; narrowed to int32 they had wrapped (2**32 + 5 read as 5 keys, 2**32 + 2
+    as slot 2)."""
+    q, k, v = torch.randn(3, 2, 1, 16), torch.randn(3, 2, 40, 16), torch.randn(3, 2, 40, 16)
+    lens = torch.tensor([2**32 + 5, 2**40, -2**32 + 7])
+    out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal, kv_lens=lens)
+    want = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal,
+                                    kv_lens=torch.tensor([40, 40, 0], dtype=torch.int32))
+    assert torch.equal(out, want)
+    cache = maskc.PagedKVCache(4, 16, 2, 16, dtype=torch.float32, max_seqs=3)
+    cache.append(torch.tensor([0, 1, 2]), torch.randn(3, 2, 5, 16), torch.randn(3, 2, 5, 16))
+    out, lse = maskc.paged_attention(q[:2], cache, torch.tensor([2**32 + 2, -2**32 + 1]), return_lse=True)
+    assert torch.count_nonzero(out) == 0 and torch.isinf(lse).all()
+
+
+@maskc.mask_mod
+def _scattered(b, h, q_idx, kv_idx):
+    # no threshold along kv_idx and no tile decided by intervals: analysis alone leaves every tile unsure
+    return (q_idx * 7 + kv_idx * 3) % 5 != 0
+
+
+@pytest.mark.parametrize("capacity", [16384, "paged default"])
+def test_a_decoding_map_is_not_evaluated_densely(capacity, monkeypatch, fresh_caches):
+    """With kv_lens the map covers every position a query may take, kv_cap × kv_cap; a mask
+    analysis cannot settle is left PARTIAL there, for the kernel to evaluate over the rows the
+    queries take. Settling it densely asked for 2**28 pairs at 16384 keys (14-26 s for 5 valid
+    keys) and was hang-like at the paged cache's default capacity of 131072, whose map also
+    keeps within MAX_DECODE_MAP_TILES tiles."""
+    from maskc.analysis import dense
+    from maskc.runtime.tiles import MAX_DECODE_MAP_TILES
+
+    def refused(expr, env, *args, **kwargs):
+        pairs = torch.broadcast_shapes(*(t.shape for t in env.values())).numel()
+        raise AssertionError(f"a decoding map evaluated the mask densely on {pairs} pairs")
+
+    q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    lens = torch.tensor([5])
+    ref, _ = decode_reference(q, k, v, lens, _scattered)
+    monkeypatch.setattr(dense, "evaluate", refused)
+    if capacity == "paged default":
+        cache = maskc.PagedKVCache(128, 1024, 2, 16, dtype=torch.float32, max_seqs=1)
+        assert cache.capacity == 131072
+        cache.append(torch.tensor([0]), k[:, :, :5], v[:, :, :5])
+        out = maskc.paged_attention(q, cache, torch.tensor([0]), mask_mod=_scattered)
+    else:
+        long_k, long_v = (torch.cat([t, torch.randn(1, 2, capacity - 8, 16)], dim=2) for t in (k, v))
+        out = maskc.compiled_attention(q, long_k, long_v, mask_mod=_scattered, kv_lens=lens)
+    assert_close_to_reference(out, ref, torch.float32)
+    kv_cap = 131072 if capacity == "paged default" else capacity
+    found = decode.problem(q, (2, kv_cap, 16, 16), _scattered, None, None, lens=True)  # the call's, cached
+    assert found.block_map.n_q * found.block_map.n_kv <= MAX_DECODE_MAP_TILES

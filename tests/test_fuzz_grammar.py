@@ -1,6 +1,6 @@
 """The grammar fuzzer (tests/fuzz_grammar.py) on a fixed sample: random mask_mods and score_mods
 that nobody wrote by hand, through tracing, block maps and the kernels (Triton's interpreter),
-against dense evaluation and the float64 reference. benchmarks/check_gpu_fuzz.py runs many more,
+against dense evaluation and the float64 reference. tests/gpu/test_fuzz.py runs many more,
 compiled, on a GPU.
 
 A MaskcError is a clear refusal and passes (test_sample_is_mostly_accepted keeps that from

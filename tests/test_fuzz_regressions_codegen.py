@@ -106,7 +106,7 @@ def product_over_a_table(b, h, q_idx, kv_idx):
 ], ids=lambda x: getattr(x, "__name__", str(x)))
 def test_a_mod_deciding_on_floats_runs_without_fused_multiply_adds(mask, fuses):
     # On a GPU, `-t + rcp * 3 >= 0` fused to fma(rcp, 3, -t) dropped pairs at exact ties that
-    # torch keeps (benchmarks/check_gpu_hopper.py, "number over an index"): the interpreter has
+    # torch keeps (tests/gpu/test_gluon.py, "number over an index"): the interpreter has
     # no FMA, so this checks the decision and the compile option it makes.
     kernel = kernel_for("fwd", as_mask_mod(mask).traced, None, torch.float32, torch.device("cpu"))
     assert kernel.kernel_source.fuse_multiply_add is fuses

@@ -1,7 +1,7 @@
 """The Gluon forward for Hopper (templates/attention_fwd_hopper.py.jinja, maskc/runtime/hopper.py).
 
 Triton's interpreter runs only Triton's language, so no CPU test can execute this kernel:
-benchmarks/check_gpu_hopper.py runs it against the float64 reference on an H100. Here the
+tests/gpu/test_gluon.py runs it against the float64 reference on an H100. Here the
 files it is rendered into are compiled for sm_90 with this machine's Triton (its ptxas needs
 no GPU): the template, the printer's hooks in Gluon and the kernel's shared memory are
 checked for every mask and score form, hypothesis-drawn ones too; and the rule that picks

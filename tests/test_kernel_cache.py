@@ -1,22 +1,29 @@
 """The kernel cache: one kernel per canonical expression, shared across values, kept on disk."""
 import importlib
+import importlib.util
 import json
 import os
+import py_compile
 import re
 import shutil
+import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import triton.runtime.cache
 
 import maskc
-from maskc import masks, scores
+from _inputs import qkv
+from maskc import masks, scores, settings
+from maskc.cli import main
 from maskc.codegen.printer import TritonPrinter
 from maskc.codegen.render import render
 from maskc.codegen.source import KernelSource
-from maskc.runtime import KERNELS, loader, plan
+from maskc.runtime import KERNELS, cache, loader, plan
+from maskc.runtime.kernel import provenance
 from maskc.runtime.tiles import BackwardConfig, TileConfig, use_config
 from maskc.testing import assert_close_to_reference, attention_reference
 from maskc.trace.mods import as_mask_mod, as_score_mod
@@ -36,11 +43,6 @@ def cache_dir(tmp_path, monkeypatch):
 def _compile(mask=None, score=None, **kwargs):
     kwargs = {"dtype": torch.float32, "head_dim": 32, "device": "cpu", **kwargs}
     return maskc.compile(mask_mod=mask, score_mod=score, **kwargs)
-
-
-def _qkv(L=40, D=32, B=1, H=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(B, H, L, D, generator=g) for _ in range(3))
 
 
 def _run_and_check(q, k, v, **kwargs):
@@ -88,7 +90,7 @@ def test_one_file_per_distinct_text(cache_dir):
     other = _compile(masks.causal, dtype=torch.float16, head_dim=64, block_size=(16, 128))
     assert (other.path, other.source) == (kernel.path, kernel.source)
     # and running it at other tiles and dtypes writes no other file
-    q, k, v = _qkv(L=40, D=32)
+    q, k, v = qkv(D=32)
     with use_config(forward=TileConfig(16, 64, 4, 1), backward=BackwardConfig(TileConfig(16, 32, 4, 1),
                                                                                   TileConfig(64, 16, 4, 1))):
         for dtype in (torch.float32, torch.float16):
@@ -176,7 +178,7 @@ def test_equivalent_spellings_share_one_kernel():
 
 
 def test_window_sizes_share_one_kernel():
-    q, k, v = _qkv()
+    q, k, v = qkv(D=32)
     out8 = _run_and_check(q, k, v, mask_mod=masks.sliding_window(8))
     misses = maskc.cache_info().misses
     assert misses == 1
@@ -189,7 +191,7 @@ def test_window_sizes_share_one_kernel():
 def test_captured_tensor_values_do_not_compile():
     ids = torch.tensor([0] * 10 + [1] * 20 + [2] * 10)
     mask = masks.document(ids, causal=True)
-    q, k, v = _qkv()
+    q, k, v = qkv(D=32)
     before = _run_and_check(q, k, v, mask_mod=mask)
     misses = maskc.cache_info().misses
     ids[15:] = 3  # in place: the same mask object now means something else
@@ -221,7 +223,7 @@ def test_signature_equal_masks_with_different_captures():
     folded = maskc.mask_mod(folded)
     # the capture simplified away, so it is dropped: the signature alone decides the kernel
     assert folded.signature == masks.causal.signature and folded.traced.tensors == ()
-    q, k, v = _qkv()
+    q, k, v = qkv(D=32)
     _run_and_check(q, k, v, mask_mod=masks.causal)
     _run_and_check(q, k, v, mask_mod=folded)
 
@@ -275,7 +277,7 @@ print(json.dumps(maskc.cache_info()._asdict()))
 
 def test_second_process_renders_nothing(cache_dir):
     _compile(masks.causal)
-    q, k, v = _qkv()
+    q, k, v = qkv(D=32)
     _run_and_check(q, k, v, mask_mod=masks.sliding_window(9))
     files = sorted(cache_dir.iterdir())
     assert len(files) == 2
@@ -342,7 +344,7 @@ def test_stored_key_of_another_triton_is_replaced(cache_dir, triton_key):
 
 
 def test_interpreted_runs_leave_tritons_key_alone(cache_dir, triton_key):
-    q, k, v = _qkv()
+    q, k, v = qkv(D=32)
     _run_and_check(q, k, v, mask_mod=masks.causal)
     assert triton.runtime.cache.triton_key is triton_key
     assert not (cache_dir / "triton_key.json").exists()
@@ -363,7 +365,7 @@ def builds(monkeypatch):
 
 
 def test_block_maps_are_reused(builds):
-    q, k, v = _qkv()
+    q, k, v = qkv(D=32)
     for _ in range(3):
         _run_and_check(q, k, v, mask_mod=masks.sliding_window(8))
     assert len(builds) == 1
@@ -378,7 +380,7 @@ def test_block_maps_are_reused(builds):
 def test_block_map_follows_in_place_changes(builds):
     ids = torch.tensor([0] * 20 + [1] * 20)
     mask = masks.document(ids)
-    q, k, v = _qkv()
+    q, k, v = qkv(D=32)
     _run_and_check(q, k, v, mask_mod=mask)
     _run_and_check(q, k, v, mask_mod=mask)
     assert len(builds) == 1
@@ -388,7 +390,7 @@ def test_block_map_follows_in_place_changes(builds):
 
 
 def test_given_block_map_builds_nothing(builds):
-    q, k, v = _qkv()
+    q, k, v = qkv(D=32)
     bm = maskc.block_map(masks.causal, 40, 40, block_size=(32, 32))
     _run_and_check(q, k, v, mask_mod=masks.causal, block_map=bm)
     assert builds == []
@@ -397,7 +399,7 @@ def test_given_block_map_builds_nothing(builds):
 def test_a_training_step_analyses_its_mask_once(builds):
     # backward tiles unlike the forward's (on CUDA: 64×64 forward, 128×64 dQ, 64×128 dK/dV):
     # they read the forward's map coarsened, not a map analysed again
-    q, k, v = (t.requires_grad_() for t in _qkv(L=70))
+    q, k, v = qkv(Lq=70, D=32, requires_grad=True)
     with use_config(backward=BackwardConfig(TileConfig(64, 32, 4, 1), TileConfig(32, 64, 4, 1))):
         out = _run_and_check(q, k, v, mask_mod=masks.sliding_window(9))
         grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
@@ -414,3 +416,148 @@ def test_triton_key_shortcut_can_be_turned_off(cache_dir, triton_key, monkeypatc
     loader.load(kernel.path, interpret=False)
     assert triton.runtime.cache.triton_key is triton_key
     assert not (cache_dir / "triton_key.json").exists()
+
+
+# -- what runs is the text checked, and nothing else of the directory -------------------------
+def _bytecode(path):
+    """Where Python's import system keeps and looks for the bytecode of the source `path`."""
+    return Path(importlib.util.cache_from_source(str(path)))
+
+
+def test_a_planted_bytecode_file_is_not_run(cache_dir, fresh_caches, tmp_path):
+    kernel = _compile(masks.causal)
+    marker, planted = tmp_path / "ran", tmp_path / "planted.py"
+    planted.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    # an unchecked-hash .pyc: the import system runs it without looking at the source
+    py_compile.compile(str(planted), cfile=str(_bytecode(kernel.path)),
+                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    KERNELS.clear()
+    q, k, v = qkv(Lq=80, D=32)  # more rows than decoding takes: the forward kernel's file runs
+    _run_and_check(q, k, v, mask_mod=masks.causal)
+    assert not marker.exists()
+
+
+def test_a_corrupt_bytecode_file_is_not_read(cache_dir, fresh_caches):
+    kernel = _compile(masks.causal)
+    stat = kernel.path.stat()
+    # a header that matches the source (magic, flags, mtime, size), then no valid marshal data
+    header = importlib.util.MAGIC_NUMBER + b"\0" * 4 + struct.pack("<II", int(stat.st_mtime) & 0xFFFFFFFF,
+                                                                  stat.st_size & 0xFFFFFFFF)
+    _bytecode(kernel.path).parent.mkdir()
+    _bytecode(kernel.path).write_bytes(header + b"\xff" * 64)
+    KERNELS.clear()
+    q, k, v = qkv(Lq=80, D=32)
+    _run_and_check(q, k, v, mask_mod=masks.causal)
+
+
+def test_no_bytecode_is_written(cache_dir, fresh_caches, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # as Python runs unless PYTHONDONTWRITEBYTECODE is set
+    q, k, v = qkv(Lq=80, D=32)
+    _run_and_check(q, k, v, mask_mod=masks.sliding_window(3))
+    assert sorted(p.suffix for p in cache_dir.iterdir()) == [".py"]
+
+
+def test_a_file_that_does_not_name_its_kernel_is_stale_and_rendered_again(cache_dir, fresh_caches, capsys):
+    kernel = _compile(masks.causal)
+    kernel.path.write_text(cache.stamped(kernel.source.split("\n", 2)[2], provenance()))  # as older versions wrote
+    assert main(["cache", "prune", "--dry-run"]) == 0
+    assert "stale, written before maskc named the kernel in its files" in capsys.readouterr().out
+    KERNELS.clear()
+    with pytest.warns(UserWarning, match="does not name the kernel it holds"):
+        assert _compile(masks.causal).source == kernel.source
+    assert kernel.path.read_text() == kernel.source
+
+
+@pytest.mark.parametrize("action", [["clear"], ["prune", "--max-size", "1G"]], ids=lambda a: a[0])
+def test_cache_commands_delete_a_leftover_bytecode_directory(cache_dir, fresh_caches, action, capsys):
+    kernel = _compile(masks.causal)
+    _bytecode(kernel.path).parent.mkdir()
+    _bytecode(kernel.path).write_bytes(b"left by an older maskc")
+    assert main(["cache", *action]) == 0
+    assert not _bytecode(kernel.path).parent.exists()
+    assert "__pycache__" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change", ["deleted", "replaced"])
+def test_a_loaded_kernel_needs_its_file_no_more(cache_dir, fresh_caches, change):
+    # Triton's interpreter reads a function's source again at its first launch, after another
+    # process's eviction may have deleted the file (or another file replaced it): it reads the
+    # text this process checked
+    kernel = _compile(masks.causal)
+    kernel.function(interpret=True)
+    if change == "deleted":
+        kernel.path.unlink()
+    else:  # another kernel's text, which takes the same arguments and keeps every pair
+        kernel.path.write_text(_compile(None).source)
+    q, k, v = qkv(Lq=80, D=32)
+    _run_and_check(q, k, v, mask_mod=masks.causal)
+
+
+_SHARER = """
+import sys, torch, maskc
+from maskc import masks
+from maskc.runtime import KERNELS, decode, plan
+seed = int(sys.argv[1])
+mods = [masks.causal, masks.sliding_window(4), masks.prefix_lm(8), masks.chunked_causal(16)]
+g = torch.Generator().manual_seed(seed)
+q, k, v = (torch.randn(1, 1, 70, 16, generator=g) for _ in range(3))
+outs = []
+for i in range(30):
+    for memo in (KERNELS, plan.PLANS, plan.BLOCK_MAPS, decode.DECODES):
+        memo.clear()  # read (or render) the file again, load it and launch it for the first time
+    outs.append(maskc.compiled_attention(q, k, v, mask_mod=mods[(i + seed) % len(mods)]))
+for i, out in enumerate(outs):  # after the loop, which keeps the processes' writes close together
+    mask = mods[(i + seed) % len(mods)]
+    maskc.testing.assert_close_to_reference(out, maskc.testing.attention_reference(q, k, v, mask_mod=mask)[0])
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_processes_sharing_a_capped_cache(cache_dir):
+    # each write evicts every other kernel, so first launches, where Triton's interpreter reads
+    # the functions' source again, meet files deleted since their load (about 90 s; the default
+    # lane has test_a_loaded_kernel_needs_its_file_no_more)
+    env = {**os.environ, "MASKC_CACHE_DIR": str(cache_dir), "MASKC_CACHE_MAX_SIZE": "1"}
+    sharers = [subprocess.Popen([sys.executable, "-c", "import maskc.testing\n" + _SHARER, str(seed)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in range(3)]
+    for sharer in sharers:
+        out, err = sharer.communicate(timeout=600)
+        assert (sharer.returncode, out) == (0, "ok\n"), err[-3000:]
+
+
+# -- settings are checked when read, before anything is written -------------------------------
+@pytest.mark.parametrize("stored", [False, True], ids=["missing", "on disk"])
+def test_an_invalid_size_cap_is_one_error_whatever_the_cache_holds(cache_dir, fresh_caches, monkeypatch, stored):
+    if stored:
+        _compile(masks.causal)
+        KERNELS.clear()
+    before = sorted(cache_dir.iterdir()) if cache_dir.exists() else []
+    monkeypatch.setenv("MASKC_CACHE_MAX_SIZE", "1e3")
+    for _ in range(2):  # and the same again
+        with pytest.raises(maskc.MaskcError, match=r"^MASKC_CACHE_MAX_SIZE must be a size like 500M or 2G .*, "
+                                                   r"got '1e3'; fix or unset it$"):
+            _compile(masks.causal)
+    assert (sorted(cache_dir.iterdir()) if cache_dir.exists() else []) == before
+
+
+@pytest.mark.parametrize("name,read", [("MASKC_DEBUG", settings.debug), ("MASKC_AUTOTUNE", settings.autotune),
+                                       ("MASKC_TRITON_KEY", settings.triton_key_shortcut),
+                                       ("MASKC_DIRECT_LAUNCH", settings.direct_launch)],
+                         ids=lambda x: getattr(x, "__name__", x))
+def test_an_invalid_flag_is_an_error_naming_it(monkeypatch, name, read):
+    monkeypatch.setenv(name, "maybe")
+    with pytest.raises(maskc.MaskcError, match=rf"^{name} must be 1 or 0 .*, got 'maybe'; fix or unset it$"):
+        read()
+    for value, meaning in (("1", True), ("On", True), ("true", True), ("no", False), ("0", False), ("OFF", False)):
+        monkeypatch.setenv(name, value)
+        assert read() is meaning
+
+
+def test_an_invalid_gluon_setting_is_an_error(monkeypatch):
+    for value, meaning in (("always", "always"), ("1", "auto"), ("0", "never"), ("off", "never")):
+        monkeypatch.setenv("MASKC_GLUON", value)
+        assert settings.gluon() == meaning
+    monkeypatch.setenv("MASKC_GLUON", "sometimes")
+    with pytest.raises(maskc.MaskcError, match=r"^MASKC_GLUON must be 1, 0 or always .*, got 'sometimes'"):
+        settings.gluon()

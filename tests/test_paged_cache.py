@@ -88,9 +88,20 @@ class Reference:
 
 
 # -- appends, frees and refusals against the reference --------------------------------------
-@settings(deadline=None, max_examples=40)
+@settings(deadline=None, max_examples=10)
 @given(st.data())
 def test_appends_and_frees_match_the_reference(data):
+    _appends_and_frees(data)
+
+
+@pytest.mark.slow
+@settings(deadline=None, max_examples=60)
+@given(st.data())
+def test_appends_and_frees_match_the_reference_deep(data):
+    _appends_and_frees(data)
+
+
+def _appends_and_frees(data):
     P = data.draw(st.sampled_from([1, 16, 64]), label="page_size")
     heads, (D, Dv) = data.draw(st.integers(1, 2), label="heads"), data.draw(st.sampled_from([(4, 4), (3, 6)]))
     num_pages = data.draw(st.integers(_cdiv(30, P), 4 * _cdiv(40, P)), label="num_pages")

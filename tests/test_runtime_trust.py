@@ -3,17 +3,22 @@ threads, shapes, re-traced mods) either gives the reference's answer or says why
 
 Every kernel runs through Triton's interpreter on CPU: shapes stay tiny.
 """
+import contextlib
 import os
+import shutil
+import subprocess
 import sys
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import maskc
+from _inputs import qkv, randn
 from maskc import masks, scores
-from maskc.runtime import KERNELS
+from maskc.runtime import KERNELS, cache
 from maskc.runtime.tiles import BackwardConfig, TileConfig, use_config
 from maskc.testing import assert_close_to_reference, attention_reference
 
@@ -27,15 +32,6 @@ def cache_dir(tmp_path, monkeypatch):
     KERNELS.clear()
 
 
-def _randn(*shape, seed, dtype=torch.float32):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-def _qkv(B=1, Hq=2, Hkv=None, Lq=40, Lkv=40, D=16, seed=0):
-    Hkv = Hkv or Hq
-    return _randn(B, Hq, Lq, D, seed=seed), _randn(B, Hkv, Lkv, D, seed=seed + 1), _randn(B, Hkv, Lkv, D, seed=seed + 2)
-
-
 def _check(q, k, v, **kwargs):
     out = maskc.compiled_attention(q, k, v, **kwargs)
     kwargs.pop("block_map", None)
@@ -45,7 +41,7 @@ def _check(q, k, v, **kwargs):
 
 # -- 1. a block map is refused for anything but what it was built from ----------------------
 def test_block_map_of_another_mask_is_refused():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     bm = maskc.block_map(masks.causal, 40, 40, block_size=(32, 32))
     with pytest.raises(ValueError) as info:
         maskc.compiled_attention(q, k, v, mask_mod=masks.sliding_window(8), block_map=bm)
@@ -55,7 +51,7 @@ def test_block_map_of_another_mask_is_refused():
 
 
 def test_block_map_with_other_parameter_values_is_refused():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     bm = maskc.block_map(masks.sliding_window(8), 40, 40, block_size=(32, 32))
     with pytest.raises(ValueError) as info:
         maskc.compiled_attention(q, k, v, mask_mod=masks.sliding_window(16), block_map=bm)
@@ -64,7 +60,7 @@ def test_block_map_with_other_parameter_values_is_refused():
 
 
 def test_block_map_of_a_changed_or_other_captured_tensor_is_refused():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     ids = torch.tensor([0] * 20 + [1] * 20)
     mask = masks.document(ids)
     bm = maskc.block_map(mask, 40, 40, block_size=(32, 32))
@@ -79,7 +75,7 @@ def test_block_map_of_a_changed_or_other_captured_tensor_is_refused():
 def test_block_map_without_mask_mod_runs_its_own_mask():
     # FlexAttention takes the mask from the BlockMask; a maskless kernel would keep every pair of
     # the PARTIAL tiles
-    q, k, v = _qkv(Lq=45, Lkv=50)
+    q, k, v = qkv(Lq=45, Lkv=50)
     mask = masks.sliding_window(8)
     bm = maskc.block_map(mask, 45, 50, block_size=(16, 32))
     _compare_gradients(lambda q, k, v: maskc.compiled_attention(q, k, v, block_map=bm),
@@ -91,7 +87,7 @@ def _grads(fn, tensors, seed=9):
     leaves = [t.detach().clone().requires_grad_() for t in tensors]
     out = fn(*leaves)
     outs = out if isinstance(out, tuple) else (out,)
-    weights = [_randn(*o.shape, seed=seed + i).to(o.dtype) for i, o in enumerate(outs)]
+    weights = [randn(*o.shape, seed=seed + i).to(o.dtype) for i, o in enumerate(outs)]
     loss = sum((o * w).sum() for o, w in zip(outs, weights))
     return outs, torch.autograd.grad(loss, leaves)
 
@@ -126,12 +122,12 @@ def test_gradients_through_lse(mask, score, Hq, Hkv):
         lambda q, k, v: maskc.compiled_attention(q, k, v, mask_mod=mask, score_mod=score, enable_gqa=gqa,
                                                  return_lse=True),
         lambda q, k, v: attention_reference(q, k, v, mask_mod=mask, score_mod=score, enable_gqa=gqa),
-        _qkv(Hq=Hq, Hkv=Hkv, Lq=37, Lkv=45))
+        qkv(Hq=Hq, Hkv=Hkv, Lq=37, Lkv=45))
 
 
 def test_gradients_of_lse_alone():
     mask = LSE_CASES[-1][0]
-    q, k, v = (t.requires_grad_() for t in _qkv(Lq=37, Lkv=45))
+    q, k, v = qkv(Lq=37, Lkv=45, requires_grad=True)
     _, lse = maskc.compiled_attention(q, k, v, mask_mod=mask, return_lse=True)
     grads = torch.autograd.grad(lse, (q, k, v), torch.ones_like(lse))  # d_out is None in the backward
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -149,8 +145,7 @@ def test_gradients_of_lse_alone():
 # -- 3. empty inputs keep autograd ------------------------------------------------------------
 @pytest.mark.parametrize("B,Bkv,Lq,Lkv", [(1, 1, 0, 10), (1, 1, 10, 0), (0, 0, 10, 10), (2, 1, 10, 0)])
 def test_empty_inputs_give_zero_gradients(B, Bkv, Lq, Lkv):
-    q = _randn(B, 2, Lq, 16, seed=0).requires_grad_()
-    k, v = (_randn(Bkv, 2, Lkv, 16, seed=s).requires_grad_() for s in (1, 2))
+    q, k, v = qkv(B, Lq=Lq, Lkv=Lkv, Bkv=Bkv, requires_grad=True)
     out, lse = maskc.compiled_attention(q, k, v, mask_mod=masks.causal, return_lse=True)
     assert out.shape == (B, 2, Lq, 16) and torch.count_nonzero(out) == 0
     (out.sum() + lse.sum()).backward()
@@ -166,7 +161,7 @@ def test_threads_on_cpu_give_the_reference():
     def work(i):
         try:
             for j in range(3):
-                mask, tensors = cases[(i + j) % len(cases)], _qkv(seed=10 * i + j)
+                mask, tensors = cases[(i + j) % len(cases)], qkv(seed=10 * i + j)
                 backward = j == 1
                 fn = lambda q, k, v: maskc.compiled_attention(q, k, v, mask_mod=mask)  # noqa: E731
                 got = _grads(fn, tensors) if backward else (maskc.compiled_attention(*tensors, mask_mod=mask),)
@@ -206,7 +201,7 @@ def _run_after(damage, cache_dir):
     good = kernel.path.read_bytes()
     damage(kernel.path)
     KERNELS.clear()
-    q, k, v = _qkv(Lq=80)  # more rows than decoding takes: the forward kernel's file runs
+    q, k, v = qkv(Lq=80, Lkv=40)  # more rows than decoding takes: the forward kernel's file runs
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _check(q, k, v, mask_mod=masks.sliding_window(4))
@@ -240,13 +235,31 @@ def test_damaged_kernel_file_is_rendered_again(damage, cache_dir):
 def test_file_edited_after_it_was_read_is_not_run(cache_dir):
     kernel = _kernel()  # read and checked, not yet imported
     _edit(kernel.path)
-    q, k, v = _qkv(Lq=80)  # more rows than decoding takes: the forward kernel's file runs
+    q, k, v = qkv(Lq=80, Lkv=40)  # more rows than decoding takes: the forward kernel's file runs
     with pytest.warns(UserWarning, match=str(kernel.path.name)):
         _check(q, k, v, mask_mod=masks.sliding_window(4))
 
 
+def test_another_kernels_intact_file_under_a_kernels_name_is_rendered_again(cache_dir):
+    # a valid sha256 line over another kernel's text: the file must also prove it is the kernel
+    # its name says (the maskless kernel under causal's name kept every pair: off by 2.9)
+    victim = maskc.compile(masks.causal, dtype=torch.float32, head_dim=16, device="cpu")
+    intruder = maskc.compile(None, dtype=torch.float32, head_dim=16, device="cpu")
+    good = victim.path.read_bytes()
+    victim.path.write_bytes(intruder.path.read_bytes())
+    KERNELS.clear()
+    q, k, v = qkv(Lq=80, Lkv=40)  # more rows than decoding takes: the forward kernel's file runs
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _check(q, k, v, mask_mod=masks.causal)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert str(victim.path) in messages[0] and intruder.path.stem in messages[0], messages[0]
+    assert victim.path.read_bytes() == good
+
+
 def _unusable(cache_dir, fix, match):
-    q, k, v = _qkv()
+    q, k, v = qkv()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _check(q, k, v, mask_mod=masks.causal)
@@ -259,27 +272,62 @@ def _unusable(cache_dir, fix, match):
     assert str(kernel.path.parent) in messages[0]
 
 
-def test_read_only_cache_directory_falls_back(cache_dir):
-    cache_dir.mkdir()
+@contextlib.contextmanager
+def _read_only(cache_dir):
+    """`cache_dir` made read-only (0o555) for the block, which must bind this process."""
     cache_dir.chmod(0o555)
     try:
-        if os.access(cache_dir, os.W_OK):
-            pytest.skip("running as root: a read-only directory is still writable")
-        _unusable(cache_dir, "MASKC_CACHE_DIR", "temporary directory")
+        assert not os.access(cache_dir, os.W_OK), f"{cache_dir} is still writable: the check would prove nothing"
+        yield
     finally:
         cache_dir.chmod(0o755)
 
 
-def test_read_only_cache_still_serves_its_kernels(cache_dir):
+def _falls_back_when_read_only(cache_dir):
+    cache_dir.mkdir()
+    with _read_only(cache_dir):
+        _unusable(cache_dir, "MASKC_CACHE_DIR", "temporary directory")
+
+
+def _serves_when_read_only(cache_dir):
     path = _kernel().path
     KERNELS.clear()
-    cache_dir.chmod(0o555)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert _kernel().path == path
-    finally:
-        cache_dir.chmod(0o755)
+    with _read_only(cache_dir), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _kernel().path == path
+
+
+def _bound_by_modes(check, cache_dir):
+    """Runs `check(cache_dir)`, a function of this module, in a child process that a directory's
+    mode binds. Root writes through a read-only mode (CAP_DAC_OVERRIDE), so as root the child runs
+    under setpriv without that capability nor CAP_DAC_READ_SEARCH: still uid 0, it reads what
+    root owns by the owner's bits, and a directory of mode 0o555 is read-only to it."""
+    prefix = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root, which writes through a read-only mode, and util-linux's setpriv, which "
+                        "runs the check without that capability, is not installed")
+        prefix = [setpriv, "--bounding-set", "-dac_override,-dac_read_search", "--"]
+        probe = subprocess.run([*prefix, "true"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            pytest.skip(f"running as root, which writes through a read-only mode, and setpriv cannot drop that "
+                        f"capability here: {probe.stderr.strip()}")
+    code = (f"import pathlib, sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\nimport {__name__} as tests\n"
+            f"tests.{check.__name__}(pathlib.Path(sys.argv[1]))\n")
+    child = subprocess.run([*prefix, sys.executable, "-c", code, str(cache_dir)], capture_output=True, text=True,
+                           env={**os.environ, "MASKC_CACHE_DIR": str(cache_dir)})
+    assert child.returncode == 0, child.stdout + child.stderr
+
+
+@pytest.mark.timeout(300)
+def test_read_only_cache_directory_falls_back(cache_dir):
+    _bound_by_modes(_falls_back_when_read_only, cache_dir)
+
+
+@pytest.mark.timeout(300)
+def test_read_only_cache_still_serves_its_kernels(cache_dir):
+    _bound_by_modes(_serves_when_read_only, cache_dir)
 
 
 def test_cache_directory_that_is_a_file_falls_back(cache_dir):
@@ -288,11 +336,64 @@ def test_cache_directory_that_is_a_file_falls_back(cache_dir):
     assert cache_dir.read_text() == "not a directory"
 
 
+def _distrusted(cache_dir, distrust, match, fix):
+    """Plant a kernel in `cache_dir` as a process that can write it could (another kernel's text
+    under causal's name, its name and sha256 line made to match), `distrust` the directory, then
+    run causal: the reference's answer, one warning naming the directory, what is wrong
+    with it and the fix, and nothing of the directory read or written."""
+    victim = maskc.compile(masks.causal, dtype=torch.float32, head_dim=16, device="cpu")
+    intruder = maskc.compile(None, dtype=torch.float32, head_dim=16, device="cpu")
+    body = intruder.path.read_text().split("\n", 1)[1].replace(intruder.path.stem, victim.path.stem)
+    victim.path.write_text(cache.stamped(body))
+    before = sorted(cache_dir.iterdir())
+    KERNELS.clear()
+    distrust()
+    q, k, v = qkv(Lq=80, Lkv=40)  # more rows than decoding takes: the forward kernel's file runs
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _check(q, k, v, mask_mod=masks.causal)
+        kernel = _kernel()
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    for part in (str(cache_dir), match, fix, str(kernel.path.parent)):
+        assert part in messages[0], (part, messages[0])
+    assert kernel.path.parent != cache_dir
+    assert sorted(cache_dir.iterdir()) == before
+
+
+def test_cache_directory_writable_by_others_is_not_trusted(cache_dir):
+    _distrusted(cache_dir, lambda: cache_dir.chmod(0o777), "mode 0o777: writable by its group or others",
+                f"chmod go-w {cache_dir}")
+
+
+def test_cache_directory_of_another_user_is_not_trusted(cache_dir, monkeypatch):
+    def another_owner():
+        if os.getuid() == 0:
+            os.chown(cache_dir, 54321, -1)  # root trusts only its own directories too
+        else:
+            uid = os.getuid()
+            monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+
+    _distrusted(cache_dir, another_owner, "owned by uid 54321" if os.getuid() == 0 else "owned by uid",
+                "set MASKC_CACHE_DIR to a directory you own")
+
+
+def test_private_cache_directory_in_a_shared_sticky_one_is_trusted(cache_dir, tmp_path):
+    shared = tmp_path / "tmp"  # like /tmp: writable by all, sticky
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o1777)
+    home = shared / "kernels"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MASKC_CACHE_DIR", str(home))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert _kernel().path.parent == home
+
+
 # -- 6. k and v with batch 1 broadcast over q's batch ----------------------------------------
 @pytest.mark.parametrize("Hq,Hkv", [(2, 2), (4, 2)])
 def test_key_value_batch_broadcasts(Hq, Hkv):
-    q = _randn(3, Hq, 37, 16, seed=0)
-    k, v = _randn(1, Hkv, 45, 16, seed=1), _randn(1, Hkv, 45, 16, seed=2)
+    q, k, v = qkv(3, Hq, Hkv, Lq=37, Lkv=45, Bkv=1)
     mask, score, gqa = masks.sliding_window(9), scores.softcap(5.0), Hq != Hkv
 
     def reference(q, k, v):
@@ -306,8 +407,8 @@ def test_key_value_batch_broadcasts(Hq, Hkv):
 
 
 def test_query_batch_does_not_broadcast():
-    q = _randn(1, 2, 40, 16, seed=0)
-    k, v = _qkv(B=3)[1:]
+    q = randn(1, 2, 40, 16, seed=0)
+    k, v = qkv(B=3)[1:]
     with pytest.raises(ValueError, match="batch"):
         maskc.compiled_attention(q, k, v)
 
@@ -322,7 +423,7 @@ def _windowed(b, h, q_idx, kv_idx):
 
 def test_retraced_mask_gets_a_new_plan(monkeypatch):
     mask = maskc.mask_mod(_windowed)
-    q, k, v = _qkv()
+    q, k, v = qkv()
     _check(q, k, v, mask_mod=mask)
     first = mask.traced
     monkeypatch.setattr(sys.modules[__name__], "WINDOW", 12)  # the mask's guards re-trace it
@@ -335,11 +436,11 @@ def test_backward_uses_the_trace_of_its_forward(monkeypatch):
     # the backward builds its own block map at other tiles: from the forward's trace, not the newest
     mask = maskc.mask_mod(_windowed)
     tiles = TileConfig(16, 16, 4, 1)
-    q, k, v = (t.requires_grad_() for t in _qkv())
+    q, k, v = qkv(requires_grad=True)
     with use_config(backward=BackwardConfig(tiles, tiles)):
         out = maskc.compiled_attention(q, k, v, mask_mod=mask)
         monkeypatch.setattr(sys.modules[__name__], "WINDOW", 30)
-        d_out = _randn(*out.shape, seed=5)
+        d_out = randn(*out.shape, seed=5)
         grads = torch.autograd.grad(out, (q, k, v), d_out)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = attention_reference(*leaves, mask_mod=masks.sliding_window(4))[0]
@@ -391,14 +492,14 @@ def test_negative_indices_are_wrapped_where_the_call_can_have_them():
     q_idx - kv_idx + 69 is nonnegative with 70 keys, not with 90)."""
     from maskc.runtime.plan import PLANS
 
-    table = _randn(2, 139, seed=5)
+    table = randn(2, 139, seed=5)
 
     def relative(score, b, h, q_idx, kv_idx):
         return score + table[h, q_idx - kv_idx + 69]
 
     for Lkv, negative in ((70, False), (90, True)):
         PLANS.clear()
-        q, k, v = _qkv(Lq=70, Lkv=Lkv, seed=Lkv)
+        q, k, v = qkv(Lq=70, Lkv=Lkv, seed=Lkv)
         _check(q, k, v, score_mod=relative)
         (problem,) = PLANS._items.values()
         assert problem.negative_indices is negative
@@ -418,8 +519,7 @@ def test_scores_below_the_log2_range_count_as_minus_infinity():
     def padding(score, b, h, q_idx, kv_idx):
         return score + bias[q_idx, kv_idx]
 
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (20, 24, 24))
+    q, k, v = qkv(Lq=20, Lkv=24)
     ref, _ = attention_reference(q, k, v, score_mod=padding)
     torch.testing.assert_close(ref[:, :, :5], v.double().mean(dim=2, keepdim=True).expand(-1, -1, 5, -1))
     out, lse = maskc.compiled_attention(q, k, v, score_mod=padding, return_lse=True)
@@ -438,7 +538,7 @@ def test_a_row_of_scores_below_the_log2_range_is_empty(dtype, q_len):
     """transformers' additive masks fill dropped pairs with finfo(dtype).min: a padded query row
     has every score there. Such a row is empty (out 0, lse -inf, no gradient), as the rule says,
     and the other rows, whose dropped pairs are as low, agree with the reference."""
-    q, k, v = (t.to(dtype) for t in _qkv(Lq=q_len, Lkv=40))
+    q, k, v = qkv(Lq=q_len, Lkv=40, dtype=dtype)
     bias = torch.zeros(1, 1, q_len, 40).masked_fill(torch.rand(1, 1, q_len, 40, generator=torch.Generator()
                                                                .manual_seed(3)) < 0.3, torch.finfo(dtype).min)
     bias[..., 0, :] = torch.finfo(dtype).min  # the first query: padded, every key dropped
@@ -465,7 +565,7 @@ def test_a_row_of_scores_below_the_log2_range_is_empty(dtype, q_len):
 def test_float64_inputs_keep_a_row_of_float32_lowest_scores():
     """In float64 the kernels scale scores in float64, whose range holds float32's lowest times
     log2(e): the row is uniform, as the reference's."""
-    q, k, v = (t.double() for t in _qkv(Lq=8, Lkv=40))
+    q, k, v = qkv(Lq=8, Lkv=40, dtype=torch.float64)
 
     def padded_first_row(score, b, h, q_idx, kv_idx):
         return score + torch.where(q_idx == 0, torch.finfo(torch.float32).min, 0.0)

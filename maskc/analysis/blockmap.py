@@ -17,6 +17,9 @@ import torch
 from maskc.analysis.classify import EMPTY, FULL, PARTIAL
 from maskc.analysis.pieces import Pieces
 from maskc.analysis.rows import HostPieces
+from maskc.errors import MaskcError
+from maskc.trace import dag
+from maskc.trace import symbols as S
 from maskc.trace.mods import as_mask_mod
 
 _TABLES = ("_buffer", "full_offsets", "full_runs", "partial_offsets", "partial_runs")
@@ -65,9 +68,11 @@ class BlockMap:
         self.mask_mod = mask_mod
         # What the tiles were classified from, for compiled_attention to refuse the map for
         # anything else: the trace (signature, parameter values, captured tensors, which it
-        # keeps alive, so their ids stay theirs) and each captured tensor's version then.
+        # keeps alive, so their ids stay theirs) and each captured tensor's stamp then (Traced.stamps:
+        # version and data pointer), with the storages held so that the pointers stay theirs too.
         self.traced = traced
-        self.tensor_versions = tuple(t._version for t in traced.tensors) if traced is not None else ()
+        self.tensor_stamps = traced.stamps() if traced is not None else ()
+        self._storages = traced.storages() if traced is not None else ()
         self.B, self.H, self.n_q = pieces.starts.shape[:3]
         self.n_kv = pieces.n_kv
         buffer, self._n_full = pieces.run_tables(self.B * self.H * self.n_q)
@@ -132,6 +137,12 @@ class BlockMap:
         """Fraction of tiles skipped (EMPTY)."""
         total = self.B * self.H * self.n_q * self.n_kv
         return self.num_empty / total if total else 0.0
+
+    def nbytes(self) -> int:
+        """Bytes of the run tables this map holds, with those of the maps derived from it so far
+        (transposed, coarsened); the captured tensors it keeps alive are not counted."""
+        derived = [*self._coarse.values(), *([self.__dict__["transposed"]] if "transposed" in self.__dict__ else [])]
+        return self._buffer.nbytes + sum(m.nbytes() for m in derived)
 
     @property
     def device(self) -> torch.device:
@@ -280,7 +291,8 @@ class BlockMap:
         coarse = BlockMap(pieces, q_len=self.q_len, kv_len=self.kv_len,
                           block_size=(self.block_size[0] * q_factor, self.block_size[1] * kv_factor),
                           mask_name=self.mask_name, mask_mod=self.mask_mod, traced=self.traced, device=self.device)
-        coarse.tensor_versions = self.tensor_versions  # built from this map, so from these versions
+        # built from this map, so from these values
+        coarse.tensor_stamps, coarse._storages = self.tensor_stamps, self._storages
         self._coarse[(q_factor, kv_factor)] = coarse
         return coarse
 
@@ -292,7 +304,20 @@ class BlockMap:
             if stored != 1 and stored != given and not (name == "B" and stored > given):
                 raise ValueError(f"block_map was built for {name}={stored} but the inputs have {name}={given}; "
                                  f"build it with {name}={given}")
+            if stored == 1 and given > 1 and name.lower() in self._reads:
+                # one row serves every b (h) only where the mask does not read it: these are b = 0's
+                # tiles (h = 0's), which skip or keep whole tiles the other rows need
+                raise MaskcError(f"block_map of mask_mod '{self.mask_name}', which reads {name.lower()}, was built "
+                                 f"with {name}=1 but the inputs have {name}={given}: its tiles are those of "
+                                 f"{name.lower()}=0 alone; build it with {name}={given} (maskc.block_map(..., "
+                                 f"{name}={given}), or create_block_mask(mask_mod, B, H, ...) with {name}={given})")
         return (self.H * self.n_q if self.B > 1 else 0, self.n_q if self.H > 1 else 0)
+
+    @functools.cached_property
+    def _reads(self) -> str:
+        """Which of b and h the map's mask reads ("bh", "b", "h" or "")."""
+        free = dag.free_symbols(self.traced.expr) if self.traced is not None else ()
+        return "".join(n for n, symbol in (("b", S.B), ("h", S.H)) if symbol in free)
 
     def to(self, device) -> "BlockMap":
         """The same map with its run tables on `device`, moved in one copy."""

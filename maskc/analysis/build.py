@@ -57,6 +57,9 @@ IN_PYTHON = ("maskc analyses a mask in Python, outside torch.compile's graph; wi
 block_map = outside_graph(block_map, IN_PYTHON)
 
 
+MAX_LENGTH = 2**31 - 1
+
+
 def _length(name: str, value) -> int:
     """A sequence length as an int: Python's, numpy's, or a 0-d integer tensor's (torch's
     create_block_mask takes each: lingua passes `lengths.sum()`)."""
@@ -66,13 +69,18 @@ def _length(name: str, value) -> int:
         n = None
     if n is None or isinstance(value, bool) or n < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}; pass the sequence length")
+    if n > MAX_LENGTH:
+        raise ValueError(f"{name} must be at most 2**31 - 1, as maskc's kernels hold positions in int32, got {n}; "
+                         f"pass a shorter length")
     return n
 
 
 def block_map_of_trace(mm, traced, q_len: int, kv_len: int, *, block_size=(128, 128), B: int | None = None,
-                       H: int | None = None, device=None) -> BlockMap:
+                       H: int | None = None, device=None, settle: bool = True) -> BlockMap:
     """block_map() of one trace of the MaskMod `mm`: the runtime builds the maps of a call from
-    the trace its kernel runs with, read once per call, not from a later re-trace of `mm`."""
+    the trace its kernel runs with, read once per call, not from a later re-trace of `mm`.
+    `settle=False` leaves the tiles analysis cannot decide PARTIAL (still sound: the kernel
+    evaluates the mask there) rather than evaluating the mask on all their pairs."""
     start = time.perf_counter()
     bm, bn = block_size = _block_size(block_size)
     q_len, kv_len = _length("q_len", q_len), _length("kv_len", kv_len)
@@ -86,10 +94,12 @@ def block_map_of_trace(mm, traced, q_len: int, kv_len: int, *, block_size=(128, 
                              f"built on {device}; move the tensor or pass device={t.device}")
     work = _work_device(traced, device)
     ctx = _Analysis(traced, traced.param_values(), q_len, kv_len, bm, bn, n_b, n_h, work, device)
-    pieces = ctx.host_pieces(traced.expr) if work.type == "cpu" and _row_wise(traced.expr) else None
+    pieces = ctx.host_pieces(traced.expr) if work.type == "cpu" and row_wise(traced.expr) else None
     if pieces is None:
         pieces = ctx.pieces(traced.expr)
-    pieces = ctx.settle(pieces.expand(broadcast(pieces.starts.shape[:3], (1, 1, ctx.n_q))))
+    pieces = pieces.expand(broadcast(pieces.starts.shape[:3], (1, 1, ctx.n_q)))
+    if settle:
+        pieces = ctx.settle(pieces)
     result = BlockMap(pieces, q_len=q_len, kv_len=kv_len, block_size=block_size, mask_name=mm.__name__, mask_mod=mm,
                       traced=traced, device=device)
     if _log.isEnabledFor(logging.INFO):  # the counts read the map back from its device
@@ -105,7 +115,7 @@ def _work_device(traced, target: torch.device) -> torch.device:
     launch and each count a host sync, so the host runs them (in numpy, rows.py) and the
     finished map crosses in one copy. Captured tensors and per-tile verdicts stay on the
     target device."""
-    if target.type == "cpu" or traced.tensors or not _row_wise(traced.expr):
+    if target.type == "cpu" or traced.tensors or not row_wise(traced.expr):
         return target
     return torch.device("cpu")
 
@@ -255,7 +265,7 @@ class _Analysis:
 
     # -- row-wise expressions, on the host --------------------------------------------------
     def host_pieces(self, e) -> HostPieces | None:
-        """The pieces of a row-wise expression (see _row_wise), worked out on the host by
+        """The pieces of a row-wise expression (see row_wise), worked out on the host by
         rows.py, or None where a threshold has no row bounds."""
         leaves = {}
         for atom in _atoms(e):
@@ -353,13 +363,14 @@ def _threshold_form(rel, values):
 
 
 @functools.lru_cache(maxsize=1024)
-def _row_wise(e) -> bool:
+def row_wise(e) -> bool:
     """Whether every comparison in e is decided per row: free of kv_idx, or a threshold along
-    it with a constant integer coefficient."""
+    it with a constant integer coefficient. Such a mask's block map costs O(rows); any other's
+    costs O(tiles)."""
     if e is sympy.true or e is sympy.false:
         return True
     if isinstance(e, (sympy.And, sympy.Or, sympy.Xor, sympy.Not)):
-        return all(_row_wise(a) for a in e.args)
+        return all(row_wise(a) for a in e.args)
     form = _kv_linear(e)
     return not _reads_kv(e) or (form is not None and form[0].is_Integer and form[0] != 0)
 

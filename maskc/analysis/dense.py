@@ -6,8 +6,8 @@ interval analysis could not decide). Python and torch semantics throughout: `//`
 the width give 0 or the sign); Trunc rounds toward zero; sign(0) = 0; a negative
 captured-tensor index counts from the end (torch's t[-1]) and one still out of range reads 0
 (False for bool tensors), exactly as the generated kernel does,
-and an element is read as int64, so that arithmetic on it cannot wrap (the kernel reads narrow
-integer types as int32). Floats are float32, as the kernel computes them and as torch computes
+and an element is read as int64, so that arithmetic on it cannot wrap (as the kernel reads an
+integer element that meets arithmetic; one only compared it reads as int32). Floats are float32, as the kernel computes them and as torch computes
 index arithmetic with float literals, unless a float64 tensor makes them float64: a float64
 evaluation decided a tile EMPTY where float32, the kernel's and torch's, keeps a pair
 (q_idx / 5 + q_idx * 0.3 == 2.0 holds in float32 at q_idx = 4).

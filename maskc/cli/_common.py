@@ -25,6 +25,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    """argparse type: a number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # (nan too)
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more, got {text!r}")
+    return value
+
+
 def size(n: float) -> str:
     """Bytes for people, in powers of 1024 as sizes are given (maskc.settings.parse_size)."""
     for unit in ("B", "K", "M"):
@@ -50,4 +61,4 @@ def table(rows: list[tuple], head: tuple | None = None) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-__all__ = ["Unavailable", "UsageError", "ago", "positive_int", "size", "table"]
+__all__ = ["Unavailable", "UsageError", "ago", "positive_int", "seconds", "size", "table"]

@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from maskc.cli._common import Unavailable, UsageError, ago, size, table
+from maskc.cli._common import Unavailable, UsageError, ago, seconds, size, table
 from maskc.runtime import cache
 from maskc.runtime.kernel import provenance
 from maskc.settings import cache_dir, cache_max_size, parse_size
@@ -31,19 +31,21 @@ def add(commands) -> None:
         action = actions.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         action.set_defaults(run=run, parser=action)
     clear = actions.add_parser("clear", help="delete every kernel, tuned choice and stored key",
-                               description="Delete every kernel, tuned choice and stored key of the cache directory.")
+                               description="Delete every kernel, tuned choice and stored key of the cache directory, "
+                                           "and the __pycache__ directory older maskc versions left there.")
     clear.set_defaults(run=clear_, parser=clear)
     prune = actions.add_parser(
         "prune", help="delete stale kernels, then the least recently used past a size",
         description="Delete stale kernels (written by another maskc version or codegen, or before maskc tagged its "
-                    "files), temporary files of writes that never finished, and then, with --max-size or "
+                    "files), temporary files of writes that never finished, the __pycache__ directory older maskc "
+                    "versions left, and then, with --max-size or "
                     "MASKC_CACHE_MAX_SIZE, the least recently used kernels until the rest fit.")
     prune.add_argument("--max-size", metavar="SIZE", help="keep at most this much, e.g. 500M or 1G (powers of 1024; "
                                                           "default: MASKC_CACHE_MAX_SIZE, if set)")
     prune.add_argument("--dry-run", action="store_true", help="list what would go, delete nothing")
     prune.set_defaults(run=prune_, parser=prune)
     for p in (clear, prune):
-        p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
+        p.add_argument("--wait", type=seconds, default=10.0, metavar="SECONDS",
                        help="how long to wait for processes loading kernels (default: 10)")
 
 
@@ -56,6 +58,8 @@ def _stale(entry: cache.Entry, current: dict) -> str | None:
         return f"written by maskc {tags.get('maskc')}"
     if tags.get("codegen") != current["codegen"]:
         return "written by other templates or codegen"
+    if "kernel" not in tags:  # a file must name the kernel it holds to be read (runtime/cache.py)
+        return "written before maskc named the kernel in its files"
     return None
 
 
@@ -63,7 +67,10 @@ def info(args) -> int:
     home = cache_dir()
     found, current = cache.entries(home), provenance()
     stale = [e for e in found if _stale(e, current)]
-    limit = cache_max_size()
+    try:
+        limit = cache_max_size()
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     rows = [("directory", f"{home} ({_state(home)})"),
             ("kernels", f"{len(found)} files, {size(sum(e.size for e in found))}"),
             ("stale", f"{len(stale)} files, {size(sum(e.size for e in stale))} (maskc cache prune deletes them)"),
@@ -81,6 +88,9 @@ def _state(home: Path) -> str:
         return "not created yet"
     if not home.is_dir():
         return "not a directory: maskc keeps kernels in a temporary one"
+    found = cache.untrusted(home)
+    if found is not None:
+        return f"not trusted, {found[0]}: maskc keeps kernels in a temporary one; {found[1]}"
     return "writable" if os.access(home, os.W_OK) else "read-only: maskc keeps new kernels in a temporary one"
 
 
@@ -105,7 +115,7 @@ def list_(args) -> int:
 def clear_(args) -> int:
     home = cache_dir()
     found = cache.entries(home)
-    others = [home / name for name in OTHER_FILES if (home / name).is_file()]
+    others = [home / name for name in OTHER_FILES if (home / name).is_file()] + cache.bytecode(home)
     freed = _remove(home, [e.path for e in found] + others + cache.leftovers(home), args.wait)
     print(f"deleted {len(found)} kernels{''.join(f', {p.name}' for p in others)} from {home} ({size(freed)})")
     return 0
@@ -121,7 +131,7 @@ def prune_(args) -> int:
     stale = [e for e in found if _stale(e, current)]
     fresh = [e for e in found if e not in stale]
     over = cache.least_recently_used(fresh, limit) if limit is not None else []
-    leftovers = cache.leftovers(home)
+    leftovers, bytecode = cache.leftovers(home), cache.bytecode(home)
     verb = "would delete" if args.dry_run else "deleted"
     for e in stale:
         print(f"{verb} {e.path.name} ({size(e.size)}): stale, {_stale(e, current)}")
@@ -129,8 +139,10 @@ def prune_(args) -> int:
         print(f"{verb} {e.path.name} ({size(e.size)}): last used {ago(e.used)}, past {size(limit)}")
     for path in leftovers:
         print(f"{verb} {path.name}: an unfinished write")
+    for path in bytecode:
+        print(f"{verb} {path.name}: bytecode an older maskc left (maskc runs the text it checked)")
     if not args.dry_run:
-        _remove(home, [e.path for e in stale + over] + leftovers, args.wait)
+        _remove(home, [e.path for e in stale + over] + leftovers + bytecode, args.wait)
     kept = sum(e.size for e in fresh if e not in over)
     print(f"{len(stale) + len(over)} kernels {verb}; {len(fresh) - len(over)} kept in {home} ({size(kept)})")
     return 0

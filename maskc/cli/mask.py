@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import textwrap
 import time
+from pathlib import Path
 
 import torch
 
@@ -85,6 +86,9 @@ def run_show(args) -> int:
         raise UsageError(f"the documents of {args.mask!r} hold {length} tokens but --q-len is {q_len}; pass --q-len "
                          f"{length}, or lengths that add up to {q_len}")
     kv_len = args.kv_len or q_len
+    if args.png and not Path(args.png).resolve().parent.is_dir():
+        raise UsageError(f"--png {args.png}: no folder {Path(args.png).resolve().parent}; name a file in a folder "
+                         f"that exists")
     start = time.perf_counter()
     try:
         bm = block_map(mask, q_len, kv_len, block_size=args.block_size, B=args.batch, H=args.heads)
@@ -92,13 +96,23 @@ def run_show(args) -> int:
         print(bm.picture(args.b, args.h))
     except (ValueError, MaskcError) as error:
         raise UsageError(str(error)) from None
+    except (MemoryError, RuntimeError) as error:
+        if not isinstance(error, MemoryError) and "allocate" not in str(error):
+            raise
+        raise Unavailable(f"the block map of {args.mask!r} at {q_len}×{kv_len} with tiles of {args.block_size} does "
+                          f"not fit in this machine's memory; pass shorter lengths, fewer --batch or --heads, or a "
+                          f"larger --block-size") from None
     print(f"block map built in {elapsed * 1e3:.2f} ms")
     if args.png:
         try:
             ax = plot_block_map(bm, b=args.b, h=args.h)
         except ImportError as error:
             raise Unavailable(str(error)) from None
-        ax.figure.savefig(args.png, dpi=100)
+        try:
+            ax.figure.savefig(args.png, dpi=100)
+        except OSError as error:
+            raise UsageError(f"cannot write --png {args.png}: {error.strerror or error}; name a file you can "
+                             f"write") from None
         width, height = ax.figure.canvas.get_width_height()
         print(f"wrote {args.png} ({width}×{height} px)")
     return 0

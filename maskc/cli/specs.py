@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from maskc import masks, scores
+from maskc.analysis.build import MAX_LENGTH
 from maskc.cli._common import UsageError
 from maskc.errors import MaskcError
 from maskc.trace.mods import MaskMod, ScoreMod, as_mask_mod, as_score_mod
@@ -26,6 +27,9 @@ def _document(lengths: list, causal: bool = False) -> MaskMod:
     lengths = lengths if isinstance(lengths, list) else [lengths]
     if not all(isinstance(n, int) and n > 0 for n in lengths):
         raise ValueError(f"lengths must be positive integers, got {lengths}")
+    if sum(lengths) > MAX_LENGTH:
+        raise ValueError(f"lengths must add up to at most 2**31 - 1, the longest sequence maskc's kernels index, "
+                         f"got {sum(lengths)}")
     return masks.document(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)), causal=causal)
 
 
@@ -107,10 +111,15 @@ def _call(factory, args: list[str], spec: str, shown: str):
             raise UsageError(f"{spec!r}: the positional argument {arg!r} follows a name=value one; put it first")
         else:
             positional.append(_value(arg))
+    signature = inspect.signature(factory)
     try:
-        inspect.signature(factory).bind(*positional, **named)
+        bound = signature.bind(*positional, **named)
     except TypeError as error:
         raise UsageError(f"{spec!r} does not fit {shown}: {error}") from None
+    for key, value in bound.arguments.items():
+        # _value reads only true and false as booleans: any other word would be a truthy string
+        if isinstance(signature.parameters[key].default, bool) and not isinstance(value, bool):
+            raise UsageError(f"{spec!r}: {key} must be true or false, got {value!r}")
     try:
         return factory(*positional, **named)
     except (ValueError, TypeError, MaskcError) as error:

@@ -178,7 +178,8 @@ class TritonPrinter(CodePrinter):
         self.decides = decides
         self._reset(counts=None, uses={}, prefix="")
 
-    def _reset(self, counts, uses, prefix):
+    def _reset(self, counts, uses, prefix, exprs=()):
+        self._wide = _arithmetic_loads(exprs)
         self._counts = counts  # while counting: how often each node's text is asked for
         self._uses = uses  # while printing: those counts
         self._prefix = prefix
@@ -186,7 +187,7 @@ class TritonPrinter(CodePrinter):
         self._statements = []
 
     def doprint(self, expr, assign_to=None) -> str:
-        self._reset(counts=None, uses={}, prefix="")
+        self._reset(counts=None, uses={}, prefix="", exprs=(expr,))
         return self._print(expr)
 
     def block(self, exprs, prefix: str) -> list[Printed]:
@@ -202,10 +203,10 @@ class TritonPrinter(CodePrinter):
         [Printed(statements=('_score0 = _tanh(0.03333333333333333 * score)',), value='30 * _score0'),
          Printed(statements=(), value='1 - _score0 * _score0')]
         """
-        self._reset(counts={}, uses={}, prefix=prefix)
+        self._reset(counts={}, uses={}, prefix=prefix, exprs=exprs)
         for e in exprs:
             self._text(e)
-        self._reset(counts=None, uses=self._counts, prefix=prefix)
+        self._reset(counts=None, uses=self._counts, prefix=prefix, exprs=exprs)
         out = []
         for e in exprs:
             start = len(self._statements)
@@ -257,6 +258,10 @@ class TritonPrinter(CodePrinter):
         return _atom(_NAMES.get(e, e.name))
 
     def _print_Integer(self, e):
+        if not _INT32[0] <= e <= _INT32[1]:
+            # a 0-d int64 tensor: Triton types a bare literal beside an int32 block as int32
+            # ("out of range for type int32"), while a captured number arrives as an int64 argument
+            return _atom(f"tl.full([], {int(e)}, tl.int64)")
         return _literal(str(int(e)))
 
     _print_Zero = _print_One = _print_NegativeOne = _print_Integer
@@ -616,10 +621,12 @@ class TritonPrinter(CodePrinter):
     def _print_load(self, e):
         slot = int(e.args[0])
         if len(e.args) == 1:
-            return self._helper("_widen", f"tl.load(T{slot})")
-        offset, inside = self._element(e, f"T{slot}")
-        # `!= 0`: Triton's interpreter gives `scalar_bool & block_bool` a dtype tl.load refuses
-        return self._helper("_widen", f"tl.load(T{slot} + {offset}, mask=({inside}) != 0, other=0)")
+            loaded = self._helper("_widen", f"tl.load(T{slot})")
+        else:
+            offset, inside = self._element(e, f"T{slot}")
+            # `!= 0`: Triton's interpreter gives `scalar_bool & block_bool` a dtype tl.load refuses
+            loaded = self._helper("_widen", f"tl.load(T{slot} + {offset}, mask=({inside}) != 0, other=0)")
+        return _atom(f"{loaded.text}.to(tl.int64)") if e in self._wide else loaded
 
     _print_LoadInt = _print_LoadFloat = _print_LoadBool = _print_load
 
@@ -645,10 +652,50 @@ class TritonPrinter(CodePrinter):
     def address(self, load, name: str) -> tuple[str, str]:
         """(offset, inside) of captured tensor element `load` (`_element`): where a kernel
         accumulates the gradient of that element. Inline text (no statements), for any scope."""
-        self._reset(counts=None, uses={}, prefix="")
+        self._reset(counts=None, uses={}, prefix="", exprs=(load,))
         if len(load.args) == 1:
             return "0", "1"
         return self._element(load, name)
+
+
+_INT32 = (-(2**31), 2**31 - 1)
+# integer operations whose result can leave an operand's type (int32 wraps past 2**31; a remainder cannot)
+_ARITHMETIC = (sympy.Add, sympy.Mul, sympy.Pow, sympy.Abs)
+
+
+def _arithmetic_loads(exprs) -> frozenset:
+    """The integer elements of captured tensors that are operands of integer arithmetic in
+    `exprs`: read as int64, so that the kernel computes `ids[q_idx] * 100 - ids[kv_idx] * 100`
+    exactly, as the block-map analysis and maskc's dense evaluation do, whatever the order the
+    canonical form puts the operations in (torch would compute in the table's dtype and wrap).
+    Not those of a difference that only meets == 0 or != 0 (the document mask's
+    `doc[q_idx] - doc[kv_idx] == 0`): two int32 values differ by less than 2**32, so their
+    wrapped difference is 0 exactly when the true one is, and the mask keeps int32 compares."""
+    parents: dict = {}  # node -> the nodes it is an operand of
+    for expr in exprs:
+        for node in dag.postorder(expr):
+            parents.setdefault(node, [])
+            for a in node.args:
+                parents.setdefault(a, []).append(node)
+
+    def wraps_harmlessly(node) -> bool:
+        uses = parents[node]
+        if not uses:  # an expression's own value (a score's)
+            return False
+        if node.is_Mul and node.args[0] is sympy.S.NegativeOne:  # -b of a - b
+            return all(p.is_Add and wraps_harmlessly(p) for p in uses)
+        return (node.is_Add and len(node.args) == 2 and all(_int32_operand(a) for a in node.args)
+                and all(isinstance(p, (sympy.Eq, sympy.Ne)) and p.rhs == 0 for p in uses))
+
+    return frozenset(a for node in parents if isinstance(node, _ARITHMETIC) and _integer(node)
+                     and not wraps_harmlessly(node) for a in node.args if isinstance(a, LoadInt))
+
+
+def _int32_operand(e) -> bool:
+    """A table element, a position, an int32 literal, or the negation of one."""
+    if e.is_Mul and len(e.args) == 2 and e.args[0] is sympy.S.NegativeOne:
+        e = e.args[1]
+    return isinstance(e, LoadInt) or e in (Q_IDX, KV_IDX, B, H) or (e.is_Integer and _INT32[0] <= e <= _INT32[1])
 
 
 def _rounds_as_torch(e) -> bool:

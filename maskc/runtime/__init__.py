@@ -5,7 +5,7 @@ block map) → kernel (CompiledKernel) → cache/loader; tiles owns tile sizes, 
 (maskc/settings.py) every environment knob. paged holds PagedKVCache, which appends to a paged
 KV cache with its own kernels (_cache_kernels.py).
 """
-from maskc.runtime.api import compile, compiled_attention, paged_attention
+from maskc.runtime.api import compile, compiled_attention, invalidate, paged_attention
 from maskc.runtime.cache import KERNELS, CacheInfo
 from maskc.runtime.kernel import CompiledKernel
 from maskc.runtime.paged import PagedKVCache
@@ -18,4 +18,4 @@ def cache_info() -> CacheInfo:
 
 
 __all__ = ["CacheInfo", "CompiledKernel", "PagedKVCache", "cache_dir", "cache_info", "compile",
-           "compiled_attention", "paged_attention"]
+           "compiled_attention", "invalidate", "paged_attention"]

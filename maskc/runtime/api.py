@@ -59,6 +59,12 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
     it at their own tiles); without mask_mod, the map's own mask runs (as FlexAttention takes
     a BlockMask's).
 
+    The kernels read the mods' captured tensors at every call; the block map built from the
+    mask's is reused while each tensor's version and storage are unchanged, which any write
+    through torch changes (an in-place op, `t.data = other`). After a write torch cannot see
+    (into the numpy array under torch.from_numpy), call maskc.invalidate(t). A captured tensor
+    changed between a forward and its backward raises, as autograd does for saved tensors.
+
     kv_lens, an int tensor [B], is for decoding and chunked prefill (no gradients): keys at
     positions >= kv_lens[b] are ignored, and the Lq queries are the last Lq tokens, at
     positions kv_lens[b] - Lq + i, which mask_mod and score_mod see (so masks.causal is right
@@ -144,6 +150,40 @@ _compiled_attention_for_gradients = outside_graph(compiled_attention, CAPTURED_G
 _paged_attention_outside_graph = outside_graph(paged_attention, PLAIN_FUNCTION)
 
 
+def invalidate(tensor: torch.Tensor | None = None) -> int:
+    """Forget the plans, block maps and decoding plans built from `tensor`'s values (all of them
+    where `tensor` is None); returns how many were dropped.
+
+    maskc builds a call's block map from its mask's captured tensors once, and finds it again
+    by each tensor's version and storage, which every write through torch changes (an in-place
+    op, `copy_`, `t.data = other`). A write torch does not see, into the numpy array under
+    `torch.from_numpy` or into memory another library shares, changes neither: call this after
+    such a write, with the captured tensor or any tensor over the same memory. A BlockMap you
+    built yourself is not a cache: build it again.
+
+    >>> ids = torch.from_numpy(buf)    # captured by the mask
+    >>> buf[:] = next_doc_ids          # a write torch does not see
+    >>> maskc.invalidate(ids)
+    """
+    if tensor is None:
+        return sum(cache.drop(lambda _: True) for cache in (plan.PLANS, plan.BLOCK_MAPS, decode.DECODES))
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"maskc.invalidate takes a torch.Tensor (or nothing, to drop every plan), got "
+                        f"{type(tensor).__name__}; for a numpy array pass torch.from_numpy(array)")
+    storage = tensor.untyped_storage()
+    start, device = storage.data_ptr(), storage.device
+
+    def reads(traces) -> bool:
+        for x in (x for t in traces if t is not None for x in t.tensors):
+            other = x.untyped_storage()
+            lo = other.data_ptr()
+            if other.device == device and lo < start + storage.nbytes() and start < lo + other.nbytes():
+                return True
+        return False
+    return (plan.PLANS.drop(lambda p: reads((p.mask, p.score))) + plan.BLOCK_MAPS.drop(lambda bm: reads((bm.traced,)))
+            + decode.DECODES.drop(lambda d: reads((d.mask, d.score))))
+
+
 def compile(mask_mod=None, score_mod=None, *, dtype=torch.bfloat16, head_dim: int = 128,
             head_dim_v: int | None = None, enable_gqa: bool = False, block_size=None, device=None) -> CompiledKernel:
     """The forward kernel specialised to `mask_mod` and `score_mod`, from cache or freshly generated.
@@ -165,4 +205,4 @@ def compile(mask_mod=None, score_mod=None, *, dtype=torch.bfloat16, head_dim: in
     return kernel_for("fwd", mask.traced if mask else None, score.traced if score else None, dtype, device)
 
 
-__all__ = ["compile", "compiled_attention", "paged_attention"]
+__all__ = ["compile", "compiled_attention", "invalidate", "paged_attention"]

@@ -1,32 +1,41 @@
 """Kernel cache: generated sources by signature, in memory and on disk.
 
-Files are named for people (`fwd_bf16_d128_bm128_bn64_<hash>.py`), written atomically and
-only when missing. The first line of each holds the sha256 of the rest, checked when the file
-is read and again before it is imported: a file that fails it (edited, truncated, garbage) is
-rendered again and replaced, with a warning. A cache directory that cannot be written
-(read-only, or a file) still serves the kernels it holds; new ones go to a private temporary
-directory for the rest of the process, with a warning. `MASKC_CACHE_DIR` overrides the
-location; `MASKC_DEBUG=1` prints each source as it is rendered or read (maskc/settings.py).
+Files are named for people (`fwd_<hash of the KernelSource>.py`), written atomically and only
+when missing. The first line of each holds the sha256 of the rest, and the second names the
+kernel it holds, checked when the file is read: a file that fails either (edited, truncated,
+garbage, or another kernel's file under this name) is rendered again and replaced, with a
+warning. What runs is the text checked, never the file read again nor bytecode of it
+(loader.load). A cache directory that cannot be written (read-only, or a file) still serves the
+kernels it holds; new ones go to a private temporary directory for the rest of the process,
+with a warning. One that another user could write (theirs, or writable by its group or others,
+as ssh refuses key files) is neither read nor written: the process works in a private temporary
+directory, with a warning. `MASKC_CACHE_DIR` overrides the location; `MASKC_DEBUG=1` prints
+each source as it is rendered or read (maskc/settings.py).
 
 Care of the directory (`maskc cache`): the second line of each file records what made it
 (maskc's version, the codegen hash, Triton's version, the mask), so that entries no install of
 this version can read again are known as stale. A file's access time is its last use: maskc
 sets it whenever a process reads or loads the file. MASKC_CACHE_MAX_SIZE caps the kernels'
 size: after each write the least recently used files go until the rest fit. Deleting never
-races a load: a process holds a shared lock (flock on the directory) from checking a file to
-the end of its import, and deletions take it exclusively; a file deleted before a process
-loads it is written again from the text that process holds.
+races a load: what a process runs is the text it checked, which it holds, and Triton reads a
+kernel's source from that text too, so a file deleted after the check changes nothing. The
+file is written again when the process loads the kernel, so that its path shows what runs;
+meanwhile the process holds a shared lock (flock on the directory), which deletions take
+exclusively.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import fcntl
+import grp
 import hashlib
 import json
 import logging
 import os
+import pwd
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -55,7 +64,8 @@ class SourceCache:
     def __init__(self):
         self._memory: dict = {}
         self._lock = threading.Lock()
-        self._spares: dict[Path, Path] = {}  # unwritable cache directory -> the temporary one used instead
+        self._spares: dict[Path, Path] = {}  # unwritable or untrusted cache directory -> the temporary one
+        self._distrusted: set[Path] = set()  # cache directories neither read nor written (untrusted())
         self.hits = self.misses = self.disk_hits = 0
 
     def info(self) -> CacheInfo:
@@ -78,9 +88,11 @@ class SourceCache:
 
     def source(self, name: str, render, tags: dict | None = None) -> tuple[str, Path]:
         """The source stored under `name` and its file, rendering (and writing) it, with `tags`
-        on its second line, where the file is missing or fails its hash."""
+        and `name` on its second line, where the file is missing, fails its hash or holds
+        another kernel."""
+        home, limit, show = cache_dir(), cache_max_size(), debug()  # every setting checked before any file
         with self._lock:
-            home = cache_dir()
+            self._check_trust(home)
             start = time.perf_counter()
             text, path = self._stored(home, name)
             if text is not None:
@@ -88,19 +100,33 @@ class SourceCache:
                 _log.info("read %s from %s", name, path.parent)
             else:
                 self.misses += 1
-                text = stamped(render(), tags)
+                text = stamped(render(), {**(tags or {}), "kernel": name})
                 path = self._store(home, name, text)
                 _log.info("rendered %s in %.0f ms into %s", name, (time.perf_counter() - start) * 1e3, path.parent)
-                if path.parent == home:
-                    self._cap(home, path)
-        if debug():
+                if path.parent == home and limit is not None:
+                    self._cap(home, path, limit)
+        if show:
             print(f"# maskc kernel {path}\n{text}")
         return text, path
 
+    def _check_trust(self, home: Path) -> None:
+        """Stop reading and writing `home` for the rest of the process, with a warning, where
+        another user could write it (checked on each disk lookup: its mode may change)."""
+        if home in self._distrusted:
+            return
+        found = untrusted(home)
+        if found is not None:
+            why, fix = found
+            self._distrusted.add(home)
+            warnings.warn(f"maskc does not trust its cache directory {home}, {why}: another user could put code "
+                          f"there that maskc would run; this process neither reads nor writes it and keeps its "
+                          f"kernels in the private temporary directory {self._spare(home)}, deleted at exit; {fix}")
+
     def _stored(self, home: Path, name: str) -> tuple[str | None, Path | None]:
         """The intact file of `name` in `home` or in its spare, as (text, path); else (None, None)."""
-        for directory in (home, self._spares.get(home)):
-            text = _intact(directory / f"{name}.py") if directory is not None else None
+        spare = self._spares.get(home)
+        for directory in (spare,) if home in self._distrusted else (home, spare):
+            text = _read(directory / f"{name}.py", name)[0] if directory is not None else None
             if text is not None:
                 _touch(directory / f"{name}.py")
                 return text, directory / f"{name}.py"
@@ -108,23 +134,21 @@ class SourceCache:
 
     @contextlib.contextmanager
     def loading(self, path: Path, text: str):
-        """Yields a file holding `text` for an import: `path` while it still does, else `text`
-        written again (since what Python imports is the file, not `text`). No `maskc cache`
-        deletion removes it until the block ends."""
+        """Yields the file of `text` while the process loads it: `path` while it still holds
+        `text`, else `text` written again, so that the file Triton's messages name shows what
+        runs (what runs is `text` itself: loader.load). No `maskc cache` deletion removes it
+        until the block ends."""
         with _locked(path.parent, fcntl.LOCK_SH):
             with self._lock:
-                if _intact(path) != text:
+                if _read(path, path.stem)[0] != text:
                     path = self._store(path.parent, path.stem, text)
             _touch(path)
             yield path
 
-    def _cap(self, home: Path, written: Path) -> None:
+    def _cap(self, home: Path, written: Path, limit: int) -> None:
         """Delete the least recently used kernels of `home` (not the one just `written`) until
-        the rest fit MASKC_CACHE_MAX_SIZE. Skipped while another process loads a kernel there:
-        the next write tries again."""
-        limit = cache_max_size()
-        if limit is None:
-            return
+        the rest fit `limit` bytes (MASKC_CACHE_MAX_SIZE). Skipped while another process loads
+        a kernel there: the next write tries again."""
         with _locked(home, fcntl.LOCK_EX | fcntl.LOCK_NB) as held:
             if not held:
                 return
@@ -136,25 +160,31 @@ class SourceCache:
                       len(over), freed, home)
 
     def _store(self, home: Path, name: str, text: str) -> Path:
-        """Write `text` as `name` in `home`, or in its spare once `home` proved unwritable."""
+        """Write `text` as `name` in `home`, or in its spare once `home` proved unwritable or
+        untrusted."""
         spare = self._spares.get(home)
         path = (spare or home) / f"{name}.py"
-        damaged = path.is_file() and _intact(path) is None  # there, but it failed its hash
+        damage = _read(path, name)[1]  # there, but it failed its hash or holds another kernel
         try:
             write_atomic(path, text)
         except OSError as error:
             if spare is not None:
                 raise
-            spare = self._spares[home] = Path(tempfile.mkdtemp(prefix="maskc-kernels-"))
-            atexit.register(shutil.rmtree, spare, ignore_errors=True)
             warnings.warn(f"maskc cannot write kernels to its cache directory {home} ({type(error).__name__}: "
-                          f"{error}); this process keeps new kernels in the private temporary directory {spare}, "
-                          f"deleted at exit; set MASKC_CACHE_DIR to a writable directory to keep them")
+                          f"{error}); this process keeps new kernels in the private temporary directory "
+                          f"{self._spare(home)}, deleted at exit; set MASKC_CACHE_DIR to a writable directory to keep "
+                          f"them")
             return self._store(home, name, text)
-        if damaged:
-            warnings.warn(f"maskc kernel file {path} did not match the sha256 on its first line (edited, truncated "
-                          f"or corrupted); it was rendered again and replaced")
+        if damage:
+            warnings.warn(f"maskc kernel file {path} {damage}; it was rendered again and replaced")
         return path
+
+    def _spare(self, home: Path) -> Path:
+        """The private temporary directory that keeps `home`'s new kernels, deleted at exit."""
+        if home not in self._spares:
+            self._spares[home] = Path(tempfile.mkdtemp(prefix="maskc-kernels-"))
+            atexit.register(shutil.rmtree, self._spares[home], ignore_errors=True)
+        return self._spares[home]
 
 
 _STAMP = "# maskc sha256 "
@@ -169,17 +199,27 @@ def stamped(text: str, tags: dict | None = None) -> str:
     return f"{_STAMP}{hashlib.sha256(text.encode()).hexdigest()}\n{text}"
 
 
-def _intact(path: Path) -> str | None:
-    """The text of the file at `path` if it matches the sha256 on its first line; None where
-    it does not, or is missing or unreadable."""
+def _read(path: Path, name: str) -> tuple[str | None, str | None]:
+    """(text, None) where the file at `path` matches the sha256 on its first line and its tag
+    line names the kernel `name`; else (None, what is wrong with it), the latter None where
+    there is no file to read."""
     try:
         data = path.read_bytes()
     except OSError:  # missing, or the cache directory is not a directory
-        return None
+        return None, None
     head, _, body = data.partition(b"\n")
     if head.decode("latin-1") != _STAMP + hashlib.sha256(body).hexdigest():
-        return None
-    return data.decode()
+        return None, "did not match the sha256 on its first line (edited, truncated or corrupted)"
+    # NOTE: a hash proves a file whole, not which kernel it is: another kernel's intact file
+    # copied or renamed over this one would run in its place
+    kernel = _tags(body.partition(b"\n")[0].decode("utf-8", "replace")).get("kernel")
+    if kernel != name:
+        return None, (f"holds the kernel {kernel}, not {name} (another kernel's file copied or renamed over it)"
+                      if kernel else "does not name the kernel it holds (an older maskc wrote it)")
+    try:
+        return data.decode(), None
+    except UnicodeDecodeError:
+        return None, "is not UTF-8 text"
 
 
 def _touch(path: Path) -> None:
@@ -189,6 +229,38 @@ def _touch(path: Path) -> None:
         os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
     except OSError:  # a read-only cache, or another user's file: its uses go unrecorded
         pass
+
+
+def untrusted(home: Path) -> tuple[str, str] | None:
+    """Why another user could write the directory `home`, and the fix; None where only this
+    user (and root) can: it is theirs or root's, and neither others nor its group may write it,
+    but for a group of the owner alone (the user private groups of a umask 002). A directory
+    that does not exist yet, or is not one, holds nothing to trust."""
+    try:
+        found = home.stat()  # through a symlink: what is trusted is the directory that holds the files
+    except OSError:
+        return None
+    if not stat.S_ISDIR(found.st_mode):
+        return None
+    if found.st_uid not in (os.getuid(), 0):
+        try:
+            owner = f" ({pwd.getpwuid(found.st_uid).pw_name})"
+        except KeyError:  # no such user on this machine
+            owner = ""
+        return (f"owned by uid {found.st_uid}{owner}, not by you (uid {os.getuid()})",
+                "set MASKC_CACHE_DIR to a directory you own")
+    if found.st_mode & 0o002 or (found.st_mode & 0o020 and not _private_group(found)):
+        return (f"mode {oct(stat.S_IMODE(found.st_mode))}: writable by its group or others",
+                f"run `chmod go-w {home}` or set MASKC_CACHE_DIR to a directory only you can write")
+    return None
+
+
+def _private_group(found: os.stat_result) -> bool:
+    try:
+        owner, group = pwd.getpwuid(found.st_uid).pw_name, grp.getgrgid(found.st_gid)
+    except KeyError:
+        return False
+    return group.gr_name == owner and set(group.gr_mem) <= {owner}
 
 
 # -- the directory's contents, for `maskc cache` and MASKC_CACHE_MAX_SIZE ----------------------
@@ -268,9 +340,17 @@ def leftovers(home: Path) -> list[Path]:
     return found
 
 
+def bytecode(home: Path) -> list[Path]:
+    """The bytecode directory that older maskc versions' imports of kernels left in `home`
+    (maskc runs the text it checked, and writes none)."""
+    path = home / "__pycache__"
+    return [path] if path.is_dir() and not path.is_symlink() else []
+
+
 def remove(home: Path, paths: list[Path], wait: float = 10.0) -> int:
-    """Delete `paths` from `home` once no process is loading a kernel there (waiting up to
-    `wait` seconds); the bytes freed. Raises TimeoutError when the wait runs out."""
+    """Delete `paths` (files, or directories and all they hold) from `home` once no process is
+    loading a kernel there (waiting up to `wait` seconds); the bytes freed. Raises TimeoutError
+    when the wait runs out."""
     deadline = time.monotonic() + wait
     while True:
         with _locked(home, fcntl.LOCK_EX | fcntl.LOCK_NB) as held:
@@ -287,8 +367,12 @@ def _unlink(items) -> int:
     for item in items:
         path = item.path if isinstance(item, Entry) else item
         try:
-            size = path.stat().st_size
-            path.unlink()
+            if path.is_dir() and not path.is_symlink():
+                size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+                shutil.rmtree(path)
+            else:
+                size = path.stat().st_size
+                path.unlink()
         except FileNotFoundError:  # another process deleted it first
             continue
         freed += size
@@ -321,7 +405,9 @@ def _locked(directory: Path, mode: int):
 
 
 def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # a directory made here is private whatever the umask: untrusted() refuses one that others
+    # could write (mkstemp's files are the user's alone already)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:

@@ -11,7 +11,8 @@ depends on data and can be captured in a CUDA graph.
 
 Positions: with kv_lens, keys at positions >= kv_lens[b] are ignored and the Lq queries are
 the last Lq tokens, at kv_lens[b] - Lq + i (FlashAttention's cache_seqlens); mask_mod and
-score_mod see those positions, and the block map is built over kv_cap × kv_cap of them.
+score_mod see those positions, and the block map is built over kv_cap × kv_cap of them
+without dense evaluation (see problem()).
 """
 from __future__ import annotations
 
@@ -23,11 +24,13 @@ import torch
 
 from maskc._slots import Slots
 from maskc.analysis.blockmap import BlockMap
+from maskc.analysis.build import row_wise
 from maskc.runtime import plan, tiles
 from maskc.runtime.dtypes import dot_precision, interpreter_safe, triton_accumulator
 from maskc.runtime.kernel import CompiledKernel, kernel_for
 from maskc.runtime.launch import LaunchPlan, no_pairs, outputs
 from maskc.runtime.tiles import TileConfig, padded
+from maskc.settings import plan_cache_max_size
 
 # compiled_attention decodes where no gradient is wanted and Lq · (Hq / Hkv) is at most this:
 # the packed rows fit one 64-row tile, which the prefill kernel would give a single q row.
@@ -41,7 +44,12 @@ PROGRAMS_PER_SM = 2
 SPLIT_COST_TILES = 2
 _LOG2E = 1.4426950408889634
 
-DECODES = Slots(64)
+def _decode_bytes(found: "Decode") -> dict:
+    return plan.held_bytes((*found.captured.values(), *found.tables.values()), found.held, (found.block_map,))
+
+
+# bounded by the bytes its entries keep alive as well as by count, as plan.PLANS
+DECODES = Slots(64, _decode_bytes, plan_cache_max_size)
 
 
 @dataclass(eq=False)
@@ -65,6 +73,7 @@ class Decode:
     captured: dict
     tables: dict  # the map's STATES, SPAN_LO, SPAN_HI and strides for the kernel
     splits: int
+    held: tuple  # the captured tensors' storages, while the key holds their pointers (Traced.stamps)
     launches: dict = field(default_factory=dict)
 
     @property
@@ -97,8 +106,8 @@ def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: B
                 raise
             raise ValueError(f"{error} (with kv_lens, queries sit at positions up to kv_len, so the map is built over "
                              f"kv_len × kv_len: maskc.block_map(mask, {kv_cap}, {kv_cap}))") from None
-    key = (*map(id, traces), id(block_map), q.dtype, q.device, q.shape, kv_shape, scale, lens,
-           tuple(x._version for t in traces if t is not None for x in t.tensors), tiles.override_key())
+    key = (*map(id, traces), id(block_map), q.dtype, q.device, q.shape, kv_shape, scale, lens, plan.stamps_of(traces),
+           tiles.override_key())
     found = DECODES.get(key)
     if found is not None:
         return found
@@ -106,8 +115,15 @@ def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: B
     tiles.check_block_size((config.block_m, config.block_n), "decoding kernel tile")
     m, s = traces
     if block_map is None:
-        block_map = plan.cached_block_map(mask_mod, m, map_q, kv_cap, (tiles.decode_map_block(q.device.type),
-                                          config.block_n), B, Hq, q.device)
+        # With kv_lens the map covers every position a query may take, kv_cap × kv_cap: the
+        # lengths stay on the device, and reading them would wait for it. Tiles the analysis
+        # leaves unsure stay PARTIAL, for the kernel to settle over the rows the queries take:
+        # settling them here would evaluate the mask on up to kv_cap² pairs (14-26 s at 16384
+        # keys on the dev CPU). A mask analysed tile by tile gets q tiles that bound the map's.
+        by_tiles = lens and m is not None and not row_wise(m.expr)
+        map_block = tiles.decode_map_block(q.device.type, *((map_q, -(-kv_cap // config.block_n)) if by_tiles else ()))
+        block_map = plan.cached_block_map(mask_mod, m, map_q, kv_cap, (map_block, config.block_n), B, Hq, q.device,
+                                          settle=not lens)
     block_map.kernel_rows(B, Hq)
     tables, widest = _tables(block_map, config.block_n, Hq // Hkv)
     rows = B * Hkv * -(-Lq * (Hq // Hkv) // config.block_m)
@@ -115,7 +131,7 @@ def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: B
     config = tiles.decode_config(D, q.device.type, Lq * (Hq // Hkv), split=splits > 1)
     found = Decode(m, s, 1.0 / math.sqrt(D) if scale is None else float(scale), B, Hq, Hkv, Lq, kv_cap, D, Dv,
                    q.dtype, config, block_map, kernel_for("dec", m, s, q.dtype, q.device), plan.captured_args(m, s, q.dtype, q.device)[0], tables,
-                   splits)
+                   splits, tuple(x for t in traces if t is not None for x in t.storages()))
     DECODES.put(key, found)
     return found
 
@@ -199,7 +215,12 @@ def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_m
                                   "detach q")
     if q.device != k_pages.device:
         raise ValueError(f"q is on {q.device} but the cache on {k_pages.device}; move q")
-    slots = check_slots(seq_ids, q)
+    slots = check_slots(seq_ids, q, page_table.shape[0])
+    # the cache's own tables, contiguous int32 unless replaced by hand: checked as any argument
+    page_table, lens = (plan.index_argument(name, t, what=f"a {dims}-d integer tensor",
+                                            fix="leave the cache's tables as it made them",
+                                            device=k_pages.device, owner="k_pages", dims=dims)
+                        for name, t, dims in (("page_table", page_table, 2), ("lens", lens, 1)))
     _, Hq, Lq, D = q.shape
     capacity = page_table.shape[1] * page_size
     if Lq > capacity:
@@ -212,34 +233,27 @@ def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_m
 
 
 def check_lens(kv_lens, q, k) -> torch.Tensor:
-    """kv_lens as the kernel reads it (int32 [B] on q's device), after checking what can be
-    checked without reading it: reading would wait for the GPU, and a step must not."""
+    """kv_lens as the kernel reads it (contiguous int32 [B] on q's device), after checking what
+    can be checked without reading it: reading would wait for the GPU, and a step must not. An
+    int64 entry past int32 is clamped to [0, Lkv] first, the kernel's own rule (a length
+    above the keys' reads as theirs, one below 0 keeps no key), where narrowing would wrap it."""
     B, _, Lq, _ = q.shape
-    if not isinstance(kv_lens, torch.Tensor) or kv_lens.dtype.is_floating_point or kv_lens.dtype == torch.bool:
-        got = kv_lens.dtype if isinstance(kv_lens, torch.Tensor) else type(kv_lens).__name__
-        raise TypeError(f"kv_lens must be an integer tensor [B] of key counts, got {got}; build it with "
-                        f"torch.tensor(lengths, dtype=torch.int32, device=q.device)")
-    if tuple(kv_lens.shape) != (B,):
-        raise ValueError(f"kv_lens must have shape [B] = [{B}], got {tuple(kv_lens.shape)}")
-    if kv_lens.device != q.device:
-        raise ValueError(f"kv_lens lives on {kv_lens.device} but q is on {q.device}; move it to {q.device}")
+    lens = plan.index_argument("kv_lens", kv_lens, what="an integer tensor [B] of key counts",
+                               fix="build it with torch.tensor(lengths, dtype=torch.int32, device=q.device)",
+                               device=q.device, owner="q", batch=B, within=(0, k.shape[2]))
     if Lq > k.shape[2]:
         raise ValueError(f"q has {Lq} queries but k only {k.shape[2]} keys; with kv_lens the queries are the last "
                          f"Lq of the keys, so k must hold at least Lq")
-    return kv_lens if kv_lens.dtype == torch.int32 else kv_lens.to(torch.int32)
+    return lens
 
 
-def check_slots(seq_ids, q) -> torch.Tensor:
-    """seq_ids as the kernel reads it (int32 [B] on q's device)."""
-    if not isinstance(seq_ids, torch.Tensor) or seq_ids.dtype.is_floating_point or seq_ids.dtype == torch.bool:
-        got = seq_ids.dtype if isinstance(seq_ids, torch.Tensor) else type(seq_ids).__name__
-        raise TypeError(f"seq_ids must be an integer tensor [B] of cache slots, got {got}")
-    if tuple(seq_ids.shape) != (q.shape[0],):
-        raise ValueError(f"seq_ids must have shape [B] = [{q.shape[0]}] (one slot per sequence of q), got "
-                         f"{tuple(seq_ids.shape)}")
-    if seq_ids.device != q.device:
-        raise ValueError(f"q ({q.device}) and seq_ids ({seq_ids.device}) must share a device")
-    return seq_ids if seq_ids.dtype == torch.int32 else seq_ids.to(torch.int32)
+def check_slots(seq_ids, q, num_slots: int) -> torch.Tensor:
+    """seq_ids as the kernel reads it (contiguous int32 [B] on q's device). An int64 entry past
+    int32 is clamped to [-1, num_slots] first: outside the cache's slots, where the kernel
+    reads it as an empty sequence, as it does any slot outside them."""
+    return plan.index_argument("seq_ids", seq_ids, what="an integer tensor [B] of cache slots",
+                               fix="pass torch.tensor(slots, dtype=torch.int32, device=q.device)", device=q.device,
+                               owner="q", batch=q.shape[0], within=(-1, num_slots))
 
 
 # -- launches --------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ keys (128), the smallest extents the GPU check ran; tensors the copy engine can 
 (16-byte aligned, last dim contiguous); MASKC_GLUON not 0; and no forward tiles forced
 (use_config, which benchmarks/tune.py sweeps for the Triton kernel).
 
-Where it can, it runs only where it measured faster (benchmarks/check_gpu_hopper.py, H100,
+Where it can, it runs only where it measured faster (benchmarks/bench_hopper.py, H100,
 B=4 H=16 L=8192, one run; benchmarks/NOTES.md): rows of many kv tiles and no score mod beyond
 the split form a·score + row + column. Against the Triton kernel it won on no mask, causal,
 prefix-LM and ALiBi (1.12-1.26× at D=128, 1.01-1.09× at D=64) and on sliding windows of 1024

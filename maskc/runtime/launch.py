@@ -24,7 +24,7 @@ from maskc.runtime import hopper
 from maskc.runtime.descriptors import DESCRIPTOR_MIN_PAIRS, descriptors
 from maskc.runtime.dtypes import accumulator, dot_precision, interpreter_safe, triton_accumulator
 from maskc.runtime.kernel import CompiledKernel
-from maskc.runtime.plan import Problem
+from maskc.runtime.plan import Problem, check_unchanged
 from maskc.runtime.tiles import TileConfig, bh_group, descriptors_enabled, padded
 from maskc.settings import direct_launch
 
@@ -108,7 +108,7 @@ class LaunchPlan:
         GPU. The tiles are chosen for q, k and v, but a mod's reads of captured tensors in the
         loop are staged too: attention-gym's Graphormer edge bias (two int64 tables read per
         pair) had its dQ kernel at D=128 ask for 288 KiB of an H100's 227
-        (benchmarks/check_gpu_gym_hopper.py), and the dQ kernel's sums of captured tensors'
+        (tests/gpu/test_compat.py::test_gluon_gym_mods), and the dQ kernel's sums of captured tensors'
         gradients 241 KiB with three stages."""
         while True:
             try:
@@ -339,6 +339,9 @@ def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem, *, partial: bool
     lse (either may be None: unused). `partial`: dq, dk and dv in the accumulator's precision
     (float32 for half inputs), unrounded, for a caller that sums them over several launches
     (context parallelism: rounding each part to bf16 loses what the parts cancel)."""
+    # every backward comes here (eager autograd, the torch.compile operator, context
+    # parallelism), so this is where a captured tensor changed since the forward is refused
+    check_unchanged(problem)
     dtype = q.dtype
     d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
     # the kernels index lse and Delta as dense [B, Hq, Lq] rows; a caller may pass a view of

@@ -1,9 +1,9 @@
-"""Import a generated source file as a module, compiled for CUDA or interpreted for CPU.
+"""Run a generated source file's checked text as a module, compiled for CUDA or interpreted for CPU.
 
 Triton picks the interpreter when `@triton.jit` runs with TRITON_INTERPRET=1, so the
-interpreted copy is imported with that variable set; both copies run the same file.
+interpreted copy is made with that variable set; both copies run the same text.
 
-The Triton-key shortcut: before the first compiled import, Triton is handed its cache key
+The Triton-key shortcut: before the first compiled load, Triton is handed its cache key
 from disk (`triton_key.json` in the kernel cache) so that a new process does not hash
 Triton's install again. It replaces `triton.runtime.cache.triton_key`, a private function,
 for the whole process. MASKC_TRITON_KEY=0 turns it off (maskc/settings.py); a Triton without
@@ -17,10 +17,11 @@ first compiled `load()` waits for them and raises what failed there.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
+import linecache
 import os
 import threading
+import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,24 +29,38 @@ import triton
 import triton.runtime.cache
 
 from maskc.codegen.render import AST_LOCK
-from maskc.runtime.cache import write_atomic
+from maskc.runtime.cache import untrusted, write_atomic
 from maskc.settings import cache_dir, triton_key_shortcut
 
 _LOCK = threading.Lock()
 _TRITON_KEY_FILE = "triton_key.json"
 
 
-def load(path: Path, *, interpret: bool):
-    name = f"maskc_generated.{path.stem}{'_interp' if interpret else ''}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
+def load(path: Path, *, interpret: bool, text: str | None = None):
+    """The module that `text`, the checked contents of the file at `path` (by default the file
+    as read now: a file of maskc's own package), makes when it runs as that file.
+
+    NOTE: the text is compiled and run here, not imported: the import system would run whatever
+    bytecode `__pycache__` holds for the file (planted, corrupt or stale, whatever the .py
+    says) and write some there. Triton reads each @jit function's source through inspect,
+    which asks linecache before the file, and reads it again at the first interpreted launch:
+    linecache holds `text` under `path` for the life of the process (an entry without a time,
+    which linecache.checkcache leaves alone), so a file deleted or replaced after the check,
+    by another process's eviction or anyone, changes nothing that runs."""
+    if text is None:
+        text = path.read_text()
+    filename = str(path)
+    module = types.ModuleType(f"maskc_generated.{path.stem}{'_interp' if interpret else ''}")
+    module.__file__ = filename
     with _LOCK, AST_LOCK:
         if not interpret:
             _WARM_UP.join()
+        code = compile(text, filename, "exec", dont_inherit=True)
+        linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
         saved = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
         try:
-            spec.loader.exec_module(module)
+            exec(code, module.__dict__)
         finally:
             if saved is None:
                 del os.environ["TRITON_INTERPRET"]
@@ -141,7 +156,10 @@ def _stored_triton_key(compute) -> str | None:
         stamp = _triton_stamp()
     except (OSError, AttributeError, TypeError):
         return None
-    path = cache_dir() / _TRITON_KEY_FILE
+    home = cache_dir()
+    if untrusted(home) is not None:  # not read, as its kernels are not (the kernel cache warns of it)
+        return compute()
+    path = home / _TRITON_KEY_FILE
     try:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -221,7 +221,7 @@ def _paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_t
 
 @_paged.register_fake
 def _paged_fake(q, k_pages, v_pages, page_table, lens, seq_ids, page_size, mask_key, score_key, scale, enable_gqa):
-    decoding.check_slots(seq_ids, q)
+    decoding.check_slots(seq_ids, q, page_table.shape[0])
     return launch.outputs(q, v_pages.shape[3])
 
 

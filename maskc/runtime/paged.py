@@ -22,7 +22,7 @@ import torch
 import triton
 
 from maskc.errors import MaskcError
-from maskc.runtime import loader
+from maskc.runtime import loader, plan
 from maskc.runtime.kernel import _Interpreted
 
 _KERNELS_FILE = Path(__file__).with_name("_cache_kernels.py")
@@ -115,12 +115,10 @@ class PagedKVCache:
         """
         _check_pages(k_pages, v_pages)
         P, num_pages = k_pages.shape[1], k_pages.shape[0]
-        for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
-            if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() != 1:
-                raise TypeError(f"{name} must be a 1-d integer tensor, got {_describe(t)}; pass FlashInfer's "
-                                f"kv_{name} (int32)")
-            if t.device != k_pages.device:
-                raise ValueError(f"{name} is on {t.device} but the pages are on {k_pages.device}; move it there")
+        indptr, indices, last_page_len = (
+            plan.index_argument(name, t, what="a 1-d integer tensor", fix=f"pass FlashInfer's kv_{name} (int32)",
+                                device=k_pages.device, owner="k_pages")
+            for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)))
         B = indptr.shape[0] - 1
         if B < 1 or last_page_len.shape[0] != B:
             raise ValueError(f"indptr must have B + 1 entries and last_page_len B, for B >= 1 sequences; got "
@@ -282,13 +280,11 @@ class PagedKVCache:
     def _seq_ids(self, seq_ids) -> torch.Tensor:
         # NOTE: a list is refused rather than copied: a copy from the host waits for the device and
         # cannot be captured in a CUDA graph
-        if not isinstance(seq_ids, torch.Tensor) or seq_ids.dtype.is_floating_point or seq_ids.dtype.is_complex \
-                or seq_ids.dtype == torch.bool or seq_ids.dim() != 1:
-            raise TypeError(f"seq_ids must be a 1-d integer tensor of slots, got {_describe(seq_ids)}; pass "
-                            f"torch.tensor([...], device=cache.device)")
-        if seq_ids.device != self.device:
-            raise ValueError(f"seq_ids is on {seq_ids.device} but the cache is on {self.device}; move it with "
-                             f".to(cache.device)")
+        # Not narrowed: the kernels read any integer width, so a slot outside [0, max_seqs) is
+        # refused with its own value.
+        seq_ids = plan.index_argument("seq_ids", seq_ids, what="a 1-d integer tensor of slots",
+                                      fix="pass torch.tensor([...], device=cache.device)", device=self.device,
+                                      owner="cache")
         if seq_ids.shape[0] > min(self.max_seqs, _MAX_BATCH):
             raise ValueError(f"seq_ids names {seq_ids.shape[0]} slots but a call takes at most "
                              f"{min(self.max_seqs, _MAX_BATCH)} distinct ones (max_seqs={self.max_seqs}); split it")

@@ -24,6 +24,7 @@ from maskc.runtime import autotune, tiles
 from maskc.runtime.dtypes import DTYPES
 from maskc.runtime.kernel import CompiledKernel, kernel_for
 from maskc.settings import autotune as autotune_enabled
+from maskc.settings import plan_cache_max_size
 from maskc.trace import symbols as S
 from maskc.trace.mods import as_mask_mod
 
@@ -31,9 +32,30 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 _SLOTS = 64
 
 
-# The two caches of the runtime's plans (the kernels' is maskc/runtime/cache.py's KERNELS).
-PLANS = Slots(_SLOTS)
-BLOCK_MAPS = Slots(_SLOTS)
+def held_bytes(tensors=(), storages=(), maps=()) -> dict:
+    """What a cache entry keeps alive, for Slots' bound: {identity: bytes} of the distinct
+    storages of `tensors` and `storages` and of the block maps' tables."""
+    held = {}
+    for storage in (*storages, *(t.untyped_storage() for t in tensors if isinstance(t, torch.Tensor))):
+        held[storage.device, storage.data_ptr()] = storage.nbytes()
+    for bm in maps:
+        held[id(bm)] = bm.nbytes()
+    return held
+
+
+def _problem_bytes(problem: "Problem") -> dict:
+    return held_bytes(problem.captured.values(), problem.held, (problem.block_map,))
+
+
+def _map_bytes(bm: BlockMap) -> dict:
+    return held_bytes(storages=bm.traced.storages(), maps=(bm,))
+
+
+# The two caches of the runtime's plans (the kernels' is maskc/runtime/cache.py's KERNELS),
+# bounded by the bytes they keep alive as well as by count: each entry holds its captured
+# tensors, and a loop that captures a new dense mask per step would keep the last 64.
+PLANS = Slots(_SLOTS, _problem_bytes, plan_cache_max_size)
+BLOCK_MAPS = Slots(_SLOTS, _map_bytes, plan_cache_max_size)
 
 
 @dataclass(eq=False)
@@ -61,6 +83,10 @@ class Problem:
     grad_slots: tuple[int, ...]  # captured tensors whose gradients the backward computes
     grad_tensors: tuple  # those tensors
     negative_indices: bool  # whether a captured-tensor index can be negative in this call (kernel_for)
+    # the captured tensors' Traced.stamps() when planned, mask's then score's, and their storages,
+    # held so that the pointers stay theirs: the backward refuses tensors changed since (check_unchanged)
+    stamps: tuple
+    held: tuple
     # LaunchPlans by kernel and variant, built on first use; "gluon faster", runtime/hopper.py's choice;
     # and (kind, "compiling"): a Gluon plan and its background compile (runtime/launch.py's _launch_gluon)
     launches: dict = field(default_factory=dict)
@@ -94,8 +120,8 @@ def planned(q, k, v, mask, score, scale, time_forward) -> Problem:
     # Keyed by the traces themselves: a mod re-traced (a global it read changed) gives a new
     # Traced, so a new plan with the new values. A cached plan holds its traces, so their ids
     # are not reused while the key lives.
-    key = (*map(id, traces), q.dtype, q.device, q.shape, k.shape, v.shape[3], scale,
-           tuple(x._version for t in traces if t is not None for x in t.tensors), grads, tiles.override_key())
+    key = (*map(id, traces), q.dtype, q.device, q.shape, k.shape, v.shape[3], scale, stamps_of(traces), grads,
+           tiles.override_key())
     problem = PLANS.get(key)
     if problem is None:
         forward = None
@@ -136,7 +162,8 @@ def problem_of(q, k, v, mask, score, scale, traces, *, block_map: BlockMap | Non
     captured, tensors = captured_args(m, s, q.dtype, q.device, merged=(tensors, params))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     return Problem(mask, m, s, scale, B, Hq, Hkv, Lq, Lkv, D, Dv, q.dtype, chosen, block_map, kernel, captured,
-                   grad_slots, tuple(tensors[i] for i in grad_slots), negative)
+                   grad_slots, tuple(tensors[i] for i in grad_slots), negative, stamps_of(traces),
+                   tuple(x for t in traces if t is not None for x in t.storages()))
 
 
 def captured_args(mask, score, dtype: torch.dtype, device: torch.device,
@@ -177,6 +204,33 @@ def traces_of(mask, score) -> tuple:
     return (mask.traced if mask is not None else None), (score.traced if score is not None else None)
 
 
+def stamps_of(traces) -> tuple:
+    """The stamps (Traced.stamps) of the captured tensors of `traces` (mask, score), in order."""
+    return tuple(stamp for t in traces if t is not None for stamp in t.stamps())
+
+
+def check_unchanged(problem: Problem) -> None:
+    """Refuse a backward whose captured tensors changed since its forward (`problem`'s stamps):
+    it would read their new values against the forward's outputs and block map, as autograd
+    refuses a saved tensor modified in place (FlexAttention saves the mods' buffers)."""
+    traces = (problem.mask, problem.score)
+    if stamps_of(traces) == problem.stamps:
+        return
+    then = iter(problem.stamps)
+    for t in (t for t in traces if t is not None):
+        for i, (x, before) in enumerate(zip(t.tensors, then)):
+            now = (x._version, x.data_ptr())
+            if now == before:
+                continue
+            how = (f"is at version {now[0]}, and was at {before[0]} in the forward" if now[0] != before[0] else
+                   "has had new storage since the forward (.data was assigned)")
+            raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
+                               f"inplace operation: {t.kind} '{t.name}' captured tensor #{i} "
+                               f"({str(x.dtype).removeprefix('torch.')} {list(x.shape)}) {how}, so maskc's "
+                               f"backward would read other values than its forward did; clone it before changing "
+                               f"it, or change it after backward()")
+
+
 def _tuning_key(q, k, v, mask, score) -> str:
     """What a tuned choice holds for: the kernel's signature and versions, lengths by bucket."""
     B, Hq, Lq, D = q.shape
@@ -186,17 +240,18 @@ def _tuning_key(q, k, v, mask, score) -> str:
             f"|codegen {codegen_hash()}|maskc {__version__}|triton {triton.__version__}")
 
 
-def cached_block_map(mask, traced, Lq, Lkv, block_size, B, Hq, device) -> BlockMap:
-    """The block map of `traced`, a trace of the MaskMod `mask` (None: keep every pair)."""
+def cached_block_map(mask, traced, Lq, Lkv, block_size, B, Hq, device, settle: bool = True) -> BlockMap:
+    """The block map of `traced`, a trace of the MaskMod `mask` (None: keep every pair);
+    `settle` as build_block_map's."""
     if mask is None:
         mask = as_mask_mod(_keep_all)
         traced = mask.traced
     # A cached map holds its trace and so its captured tensors: their ids stay theirs while cached.
-    key = (traced.signature, tuple(p.value for p in traced.params),
-           tuple((id(x), x._version) for x in traced.tensors), Lq, Lkv, block_size, B, Hq, device)
+    key = (traced.signature, tuple(p.value for p in traced.params), tuple(map(id, traced.tensors)), traced.stamps(),
+           Lq, Lkv, block_size, B, Hq, device, settle)
     bm = BLOCK_MAPS.get(key)
     if bm is None:
-        bm = build_block_map(mask, traced, Lq, Lkv, block_size=block_size, B=B, H=Hq, device=device)
+        bm = build_block_map(mask, traced, Lq, Lkv, block_size=block_size, B=B, H=Hq, device=device, settle=settle)
         BLOCK_MAPS.put(key, bm)
     return bm
 
@@ -251,6 +306,34 @@ def check_tensors(q, k, v, enable_gqa):
         if not enable_gqa:
             raise ValueError(f"q has {hq} heads and k has {hkv}; pass enable_gqa=True for grouped-query attention")
     check_head_dims(qs[3], vs[3])
+
+
+# The dtypes an integer tensor argument (kv_lens, seq_ids, a page table) may have: torch's
+# unsigned types past uint8 lack the arithmetic that narrowing needs, and bool is a mask.
+INDEX_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def index_argument(name: str, t, *, what: str, fix: str, device, owner: str, dims: int = 1,
+                   batch: int | None = None, within: tuple[int, int] | None = None) -> torch.Tensor:
+    """The integer tensor argument `t` as the kernels read it, for every entry point that takes
+    one: checked for type, dtype, dimensions, batch and device without reading its values
+    (that would wait for the GPU, and a step must not), and contiguous, since the kernels index
+    it as dense (a column of a table, an expanded or strided view is copied: a few bytes).
+    `what` and `fix` complete the type error; `owner` names what `device` belongs to. With
+    `within` = (lo, hi) it is int32, wider values clamped into [lo, hi] first: the caller's
+    documented rule for values past its range, which narrowing alone would wrap (2**32 + 5
+    read as 5)."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in INDEX_DTYPES or t.dim() != dims:
+        got = f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"{name} must be {what}, got {got}; {fix}")
+    if batch is not None and t.shape[0] != batch:
+        raise ValueError(f"{name} must have shape [B] = [{batch}], one entry per sequence of q, got "
+                         f"{tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but {owner} is on {device}; move it with .to({owner}.device)")
+    if within is not None and t.dtype != torch.int32:
+        t = (t.clamp(*within) if t.dtype == torch.int64 else t).to(torch.int32)
+    return t.contiguous()
 
 
 def check_head_dims(head_dim: int, head_dim_v: int, names=("q/k head dim", "v head dim")) -> None:
@@ -323,12 +406,14 @@ def _built_for_another(bm: BlockMap, mask, traced) -> str | None:
         return f"was built for {theirs} ({built.expr}) but {ours} is {traced.expr}"
     if [p.value for p in built.params] != [p.value for p in traced.params]:
         return f"was built for {theirs} with {_values(built)} but {ours} has {_values(traced)}"
-    for i, (then, now, version) in enumerate(zip(built.tensors, traced.tensors, bm.tensor_versions)):
+    for i, (then, now, (version, pointer)) in enumerate(zip(built.tensors, traced.tensors, bm.tensor_stamps)):
         if now is not then:
             return f"was built for {theirs} with its captured tensor #{i}, but {ours} captures another tensor there"
         if now._version != version:
             return (f"was built before captured tensor #{i} of {theirs} changed in place (version {version}, now "
                     f"{now._version})")
+        if now.data_ptr() != pointer:
+            return f"was built before captured tensor #{i} of {theirs} was given new storage (.data was assigned)"
     return None
 
 
@@ -336,5 +421,6 @@ def _values(traced) -> str:
     return ", ".join(f"{p.origin}={p.value}" for p in traced.params)
 
 
-__all__ = ["BLOCK_MAPS", "PLANS", "Problem", "Slots", "cached_block_map", "captured_args", "captured_need_grad", "check_block_map", "check_captured",
-           "check_head_dims", "check_tensors", "given", "mask_of_call", "planned", "problem_of", "traces_of"]
+__all__ = ["BLOCK_MAPS", "PLANS", "Problem", "Slots", "cached_block_map", "captured_args", "captured_need_grad",
+           "check_block_map", "check_captured", "check_head_dims", "check_tensors", "check_unchanged", "given",
+           "held_bytes", "index_argument", "mask_of_call", "planned", "problem_of", "stamps_of", "traces_of"]

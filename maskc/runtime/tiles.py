@@ -130,10 +130,20 @@ def decode_config(head_dim: int, device_type: str, rows: int, split: bool = True
     return TileConfig(block_m, 64 if head_dim <= 128 else 32, 4, 3 if split else 2)
 
 
-def decode_map_block(device_type: str) -> int:
+# The most tiles a decoding block map has where analysing it costs O(tiles) (decode.problem):
+# 2**19 took 0.8-1.8 s on the dev CPU.
+MAX_DECODE_MAP_TILES = 1 << 19
+
+
+def decode_map_block(device_type: str, q_positions: int = 0, kv_tiles: int = 0) -> int:
     """The q tile of the block map the decoding kernel reads: its rows span one or two of
-    them. Small on the interpreter so that tests see FULL tiles near the diagonal."""
-    return 64 if device_type == "cuda" else 16
+    them. Small on the interpreter so that tests see FULL tiles near the diagonal; larger where
+    q_positions rows of kv_tiles would make more than MAX_DECODE_MAP_TILES tiles (give them for
+    a map whose cost grows with its tiles)."""
+    block = 64 if device_type == "cuda" else 16
+    while block < q_positions and -(-q_positions // block) * kv_tiles > MAX_DECODE_MAP_TILES:
+        block *= 2
+    return block
 
 
 def decode_splits() -> int | None:

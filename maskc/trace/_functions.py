@@ -14,6 +14,7 @@ backward that is not the derivative of the forward would silently change the gra
 """
 from __future__ import annotations
 
+import functools
 import math
 import sys
 
@@ -21,6 +22,7 @@ import sympy
 import torch
 import torch.nn.functional as F
 from sympy.core.cache import clear_cache
+from torch.overrides import TorchFunctionMode, resolve_name
 
 from maskc.trace import _context, dag
 from maskc.trace import proxy as P
@@ -341,6 +343,60 @@ P.register(_item, T.item)
 
 
 # -- per trace ----------------------------------------------------------------------------------
+# torch.nn.functional's random functions written in Python, whose names are no seeded aten op
+_RANDOM_COMPOSITES = frozenset({"dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout", "gumbel_softmax",
+                                "rrelu"})
+
+
+@functools.cache
+def _draws_random(func) -> bool:
+    """Whether `func` (torch.rand, Tensor.uniform_, F.dropout, ...) draws random numbers: its aten op
+    carries torch's nondeterministic_seeded tag."""
+    name = (resolve_name(func) or "").rpartition(".")[2]
+    if name in _RANDOM_COMPOSITES:
+        return True
+    packet = getattr(torch.ops.aten, name, None) if name else None
+    return isinstance(packet, torch._ops.OpOverloadPacket) and any(
+        torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
+
+
+class NoRandom(TorchFunctionMode):
+    """Active while a mod body runs: refuses the torch functions that draw random numbers. Called
+    without a traced argument (torch.rand(()), torch.randint(0, 8, ())), they run as plain torch
+    and the trace would freeze one draw for every pair and every call."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _draws_random(func):
+            _context.fail(f"calls {P.describe(func)}, which draws random numbers: the mod is traced once, so one "
+                          f"draw would serve every (b, h, q_idx, kv_idx) and every call",
+                          "draw the random values outside the mod and capture the tensor, like "
+                          "noise = torch.rand(q_len, kv_len) and noise[q_idx, kv_idx] in the mod")
+        return func(*args, **(kwargs or {}))
+
+
+# What turns a tensor's elements into Python values (numpy's too: indexing the array gives numbers)
+_VALUE_READS = frozenset({T.__int__, T.__index__, T.__float__, T.__complex__, T.__bool__, T.item, T.tolist, T.numpy,
+                          T.__array__, T.equal, T.allclose, T.is_nonzero, torch.equal, torch.allclose,
+                          torch.is_nonzero})
+
+
+class NoValueReads(TorchFunctionMode):
+    """Active while a mod body runs: refuses reading a tensor's element as a Python value
+    (int(T[0]), T[0].item(), if T[0]:). The trace would keep the value read then as a constant,
+    and a later write to the tensor would not reach the kernel; a guard re-reading it on every
+    call would wait for the GPU. maskc's own tracing code may read values (its frames are
+    skipped)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _VALUE_READS and args and isinstance(args[0], torch.Tensor) and not (
+                sys._getframe(1).f_globals.get("__name__", "").startswith("maskc.trace")):
+            _context.fail(f"reads a tensor's element as a Python value ({P.describe(func)}), which the trace would "
+                          f"keep as a constant: a later change to the tensor would not reach the kernel",
+                          "use the element as a tensor (q_idx - kv_idx <= windows[0]) or index it with an index "
+                          "argument (windows[h]): the kernel reads it at run time; or capture a Python number")
+        return func(*args, **(kwargs or {}))
+
+
 _APPLY_CODE = torch.autograd.Function.apply.__func__.__code__
 # [trace state, Function.apply frames already checked in it]; traces run one at a time (the tracer's lock)
 _trace: list = [None, []]

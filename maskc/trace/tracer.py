@@ -27,12 +27,13 @@ import time
 import types
 from dataclasses import dataclass, field
 
+import numpy
 import sympy
 import torch
 
 from maskc._graph import outside_graph
 from maskc.errors import MaskTraceError
-from maskc.trace import _context, dag
+from maskc.trace import _context, _functions, dag
 from maskc.trace.canonical import canonicalize
 from maskc.trace.proxy import Proxy, wrap
 from maskc.trace.symbols import INDEX_SYMBOLS, LOADS, SCORE, is_load, param_symbol
@@ -47,17 +48,24 @@ _LIBRARY_PREFIXES = ("torch", "numpy", "sympy", "builtins", "math", "functools")
 # hold keep their parameters and guards.
 _MOD_MODULES = ("torch.nn.attention.flex_attention",)
 
-_INT64 = (-(2**63), 2**63 - 1)
+# The integers a mod may compute with, captured or written: within ±2**62, so that what
+# canonical.py makes of a comparison (q_idx - kv_idx <= W is kv_idx + W - q_idx >= 0: a number
+# and positions summed) stays inside the kernel's int64. A "no window" of sys.maxsize would
+# wrap there while the block map, computing exactly, calls its tiles FULL.
+_KERNEL_INT = (-(2**62), 2**62)
+_KERNEL_INT_RULE = "use integers within ±2**62 (a window of 2**62 exceeds every length), or float('inf') for no bound"
 _CONTAINERS = (list, tuple, dict)
 # A guard compares values of these types by value (a new 4 is the old 4; a bound method is
-# made anew on each attribute read) and everything else by identity; lists and dicts are
-# kept as copies, so that a change in place shows too.
-_BY_VALUE = frozenset({int, float, bool, complex, str, bytes, list, tuple, dict, types.MethodType})
+# made anew on each attribute read, a numpy scalar on each element read) and everything else
+# by identity; lists and dicts are kept as copies, so that a change in place shows too.
+_BY_VALUE = frozenset({int, float, bool, complex, str, bytes, list, tuple, dict, types.MethodType,
+                       *(t for t in set(numpy.sctypeDict.values()) if issubclass(t, (numpy.number, numpy.bool_)))})
 _CELL = operator.attrgetter("cell_contents")
 # Python 3.12 folded LOAD_METHOD into LOAD_ATTR, whose lowest argument bit marks a method load
 _METHOD_BIT = sys.version_info >= (3, 12)
-# what a path guard may index with a constant (_walkable)
-_INDEXED = (list, tuple, dict, torch.nn.ModuleList, torch.nn.ModuleDict)
+# what a path guard may index with a constant (_walkable): a numpy array too, whose elements
+# (numpy scalars, compared by value) the trace reads as constants (WINDOWS[0], int(WINDOWS[0]))
+_INDEXED = (list, tuple, dict, torch.nn.ModuleList, torch.nn.ModuleDict, numpy.ndarray)
 
 # (fetch, source, expected): fetch(source) read `expected` while tracing.
 Guard = tuple
@@ -103,6 +111,19 @@ class Traced:
 
     def param_values(self) -> dict[sympy.Symbol, int | float]:
         return {p.symbol: p.value for p in self.params}
+
+    def stamps(self) -> tuple:
+        """Each captured tensor's (version, data pointer): what the runtime's caches, block maps
+        and backward passes compare to know its values are the ones they were built from. A
+        write through torch bumps the version; `t.data = other` keeps the version and changes
+        the pointer (a holder of stamps keeps the storages alive, so that no other tensor takes
+        the pointer meanwhile). A write torch never sees, into a numpy array under
+        `torch.from_numpy`, changes neither: maskc.invalidate(t) is for that."""
+        return tuple((t._version, t.data_ptr()) for t in self.tensors)
+
+    def storages(self) -> tuple:
+        """The captured tensors' storages, for a holder of stamps() to keep alive."""
+        return tuple(t.untyped_storage() for t in self.tensors)
 
 
 def dag_text(expr) -> str:
@@ -153,12 +174,14 @@ class _Rebinder:
         self.infinite: list[tuple[str, float]] = []  # (origin, value) of infinities folded into a mask
         self.codes: set = set()
         self.guards: list[Guard] = []
+        self.guard_origins: dict[int, str] = {}  # guard index -> what it read, for people ("SEEN", "cfg.window")
         self.param_guards: list[tuple[int, sympy.Symbol]] = []  # (guard index, raw parameter symbol)
         # id -> (original, copy): the original is held so that its id cannot be reused
         self._done: dict[int, tuple] = {}
 
     def guarded(self, fetch, source, found, origin: str):
         """`found`, which `fetch(source)` just read, rebound; the read becomes a guard."""
+        self.guard_origins[len(self.guards)] = origin
         self.guards.append((fetch, source, found.copy() if type(found) in (list, dict) else found))
         n_params = len(self.params)
         rebound = self.value(found, origin)
@@ -216,6 +239,7 @@ class _Rebinder:
         if done is not None:
             return done[1]
         code = fn.__code__
+        _refuse_writes(fn)
         self.codes.add(code)
         self.codes.update(c for c in code.co_consts if isinstance(c, types.CodeType))
         fn_globals = dict(fn.__globals__)
@@ -273,6 +297,8 @@ class _Rebinder:
             except Exception:  # noqa: BLE001 (a read the mod did not make, or values that do not compare)
                 continue
             if stable:
+                self.guard_origins[len(self.guards)] = root[1] + "".join(
+                    f".{key}" if step is getattr else f"[{key!r}]" for step, key in walked)
                 self.guards.append((path, source, found.copy() if type(found) in (list, dict) else found))
 
     def guard_self_paths(self, fn: types.FunctionType, obj) -> None:
@@ -382,7 +408,7 @@ def _walkable(value, steps) -> tuple:
     """The leading steps of a chain a guard may repeat on every call: attribute reads of objects
     that are no tensors, through no property (its getter would run on every check), and
     subscripts of lists, tuples, dicts (an OrderedDict too, not a defaultdict, whose read of a
-    key gone would insert it) and nn.ModuleLists and ModuleDicts."""
+    key gone would insert it), numpy arrays and nn.ModuleLists and ModuleDicts."""
     walked = []
     for step, key in steps:
         if step is getattr:
@@ -396,6 +422,44 @@ def _walkable(value, steps) -> tuple:
             break
         walked.append((step, key))
     return tuple(walked)
+
+
+_WRITES = {"STORE_GLOBAL": "assigns the global", "DELETE_GLOBAL": "deletes the global",
+           "STORE_DEREF": "assigns the enclosing function's variable",
+           "DELETE_DEREF": "deletes the enclosing function's variable"}
+
+
+def _refuse_writes(fn: types.FunctionType) -> None:
+    """Refuse a function that writes a global or a variable of an enclosing function (`global N;
+    N += 1`, `nonlocal count`): the tracer runs a copy of it, with a copy of its globals and new
+    closure cells, so the write would never reach the module or the enclosing function."""
+    found = _write(fn.__code__, frozenset(fn.__code__.co_freevars))
+    if found is None:
+        return
+    code, op = found
+    state = _context.current()
+    where = "" if fn.__name__ == state.name else f" in '{fn.__name__}'"
+    positions = getattr(op, "positions", None)  # (Python 3.11 on)
+    raise _trace_error(state.kind, state.name, code.co_filename, positions.lineno if positions else code.co_firstlineno,
+                       f"{_WRITES[op.opname]} '{op.argval}'{where}",
+                       f"a mod must have no side effects: maskc traces it once per change of what it reads, not "
+                       f"once per call, on a copy of its globals and closure, so the write never reaches your "
+                       f"module or function; compute '{op.argval}' outside the mod and capture the value")
+
+
+def _write(code: types.CodeType, captured: frozenset):
+    """(code, instruction) of the first write to a global or to a closure cell in `captured` by
+    `code` or a function defined in it, or None."""
+    for op in dis.get_instructions(code):
+        if op.opname in _WRITES and (op.opname.endswith("GLOBAL") or op.argval in captured):
+            return code, op
+    for inner in code.co_consts:
+        # an inner function's closure variables are the outer's own locals unless the outer captured them too
+        if isinstance(inner, types.CodeType):
+            found = _write(inner, captured & frozenset(inner.co_freevars))
+            if found is not None:
+                return found
+    return None
 
 
 def _path_root(value) -> bool:
@@ -510,13 +574,15 @@ def _trace_once(target, kind, name, filename, lineno, structural) -> Traced:
             if kind == "score_mod":
                 args.insert(0, Proxy(SCORE))
             try:
-                result = wrap(rebound(*args))
+                with _functions.NoRandom(), _functions.NoValueReads():
+                    result = wrap(rebound(*args))
             except TypeError as error:
                 # sympy refuses to compare the nan that `x % inf` or `inf - inf` made
                 if rebinder.infinite and not isinstance(error, MaskTraceError):
                     raise _infinity_error(name, rebinder.infinite) from error
                 raise
             _check_result(kind, result)
+            _refuse_changes(rebinder)
         finally:
             _context.end()
     try:
@@ -532,10 +598,38 @@ def _trace_once(target, kind, name, filename, lineno, structural) -> Traced:
     if dag.atoms(expr, sympy.core.numbers.ComplexInfinity):
         raise ValueError(f"{kind} '{name}' divides by zero; torch gives ±inf or nan there, which attention turns "
                          f"into nan rows: divide by a nonzero number")
+    for literal in dag.atoms(expr, sympy.Integer):
+        if not _KERNEL_INT[0] <= literal <= _KERNEL_INT[1]:
+            raise _trace_error(kind, name, filename, lineno, f"computes with the integer {literal}, outside ±2**62, "
+                               f"which the kernel's int64 arithmetic cannot sum with positions",
+                               f"{_KERNEL_INT_RULE}, or a float literal (1e21) for float arithmetic")
     traced = _renumber(kind, name, expr, rebinder.params, state.tensors, tuple(rebinder.guards),
                        rebinder.param_guards)
     _check_values(traced)
     return traced
+
+
+def _refuse_changes(rebinder: _Rebinder) -> None:
+    """Refuse a mod that changed what it reads while it ran (SEEN.append(1), cfg.n += 1, del d[k]):
+    its body runs once per trace, not once per call, and its guards, failing at once, would have
+    it traced again on every call."""
+    for i, guard in enumerate(rebinder.guards):
+        if guards_hold((guard,)):
+            continue
+        fetch, source, _ = guard
+        try:
+            now = fetch(source)
+        except Exception:  # noqa: BLE001 (the mod deleted what it read: a change)
+            pass
+        else:
+            if not guards_hold(((fetch, source, now),)):
+                continue  # a read that gives a new object each time, which the mod did not change
+        origin = rebinder.guard_origins.get(i)
+        what = f"'{origin}'" if origin else "a value"
+        _context.fail(f"changes {what}, which it reads, while it is traced",
+                      "a mod must have no side effects (.append, item or attribute assignment): maskc runs its "
+                      "body once per trace, not once per call, and a mod that changes what it reads would be "
+                      "traced again on every call; do that work outside the mod")
 
 
 def _infinity_error(name: str, infinite) -> ValueError:
@@ -547,9 +641,9 @@ def _infinity_error(name: str, infinite) -> ValueError:
 def _check_values(traced: Traced) -> None:
     """Refuse captured numbers no kernel argument can hold, naming where they came from."""
     for p in traced.params:
-        if isinstance(p.value, int) and not _INT64[0] <= p.value <= _INT64[1]:
-            raise ValueError(f"{traced.kind} '{traced.name}' captures {p.origin} = {p.value}, outside int64; "
-                             f"kernel arguments are int64: use a value in [-2**63, 2**63 - 1]")
+        if isinstance(p.value, int) and not _KERNEL_INT[0] <= p.value <= _KERNEL_INT[1]:
+            raise ValueError(f"{traced.kind} '{traced.name}' captures {p.origin} = {p.value}, outside ±2**62, "
+                             f"which the kernel's int64 arithmetic cannot sum with positions; {_KERNEL_INT_RULE}")
         if isinstance(p.value, float) and math.isnan(p.value):
             raise ValueError(f"{traced.kind} '{traced.name}' captures {p.origin} = nan; captured numbers must "
                              f"not be nan (a comparison with nan is always false): use a number")
@@ -651,7 +745,7 @@ def _with_new_values(old: Traced) -> Traced | None:
             if i not in param_of or type(got) is not type(expected) or type(got) not in (int, float):
                 return None
             if isinstance(got, float) and not math.isfinite(got) or isinstance(got, int) and not (
-                    _INT64[0] <= got <= _INT64[1]):
+                    _KERNEL_INT[0] <= got <= _KERNEL_INT[1]):
                 return None
             guards[i] = (fetch, source, got)
             if param_of[i] >= 0:
