@@ -35,19 +35,15 @@ _PICTURE_MAX = 64
 _HOST_CELLS = 1 << 21
 
 
-def _split_large_blocks(grid, block_size, q_len: int, kv_len: int, largest: int | None):
-    """(grid, block_size) with each dimension's blocks above `largest` (powers of two) split
-    into tiles of `largest` that keep their block's status, as FlexAttention's kernels read a
-    block larger than their tiles: O(tiles), never O(block size)."""
-    sizes = list(block_size)
-    for dim, length in ((2, q_len), (3, kv_len)):
-        b = sizes[dim - 2]
-        if largest is None or b <= largest or b & (b - 1):
-            continue
-        tiles = torch.arange(-(-length // largest), device=grid.device)
-        grid = grid.index_select(dim, tiles * largest // b)
-        sizes[dim - 2] = largest
-    return grid, tuple(sizes)
+def _cut_blocks(grid, block_size, tile_size, q_len: int, kv_len: int):
+    """`grid` of blocks of `block_size` as a grid of tiles of `tile_size` (each side dividing its
+    block's), each tile keeping its block's status, as FlexAttention's kernels read a block larger
+    than their tiles: O(tiles), never O(block size)."""
+    for dim, length, block, tile in ((2, q_len, block_size[0], tile_size[0]), (3, kv_len, block_size[1], tile_size[1])):
+        if tile != block:
+            tiles = torch.arange(-(-length // tile), device=grid.device)
+            grid = grid.index_select(dim, tiles * tile // block)
+    return grid
 
 
 class BlockMap:
@@ -199,15 +195,16 @@ class BlockMap:
                                         mask_mod=self.mask_mod, seq_lengths=(self.q_len, self.kv_len))
 
     @classmethod
-    def from_flex_block_mask(cls, block_mask, largest_tile: int | None = None) -> "BlockMap":
+    def from_flex_block_mask(cls, block_mask, tile_size: tuple[int, int] | None = None) -> "BlockMap":
         """The tiles of a torch BlockMask as a BlockMap that compiled_attention runs; O(tiles) work.
 
         The tiles are taken as the BlockMask lists them, which is how flex_attention reads them:
         a tile it leaves out is skipped, a full tile runs without the mask, a partial one with
         it. Its mask_mod is traced by maskc and recorded as what the map was built from, so
         compiled_attention accepts the map with that mask (or runs it when given no mask_mod).
-        Power-of-two blocks above `largest_tile` are split into tiles of that size, each with
-        its block's status (the kernels' largest tile, for a map that drives them).
+        With `tile_size` (q, kv), each side dividing the block's, every block is cut into tiles
+        of that size, each with its block's status: the tiles a map that drives the kernels
+        takes (maskc.runtime.tiles.kernel_tiles_of).
 
         >>> from torch.nn.attention.flex_attention import create_block_mask
         >>> bm = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 1024, 1024, device="cpu")
@@ -218,11 +215,11 @@ class BlockMap:
         return cls.from_flex_tiles(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
                                    block_mask.full_kv_indices, seq_lengths=block_mask.seq_lengths,
                                    block_size=block_mask.BLOCK_SIZE, mask_mod=block_mask.mask_mod,
-                                   largest_tile=largest_tile)
+                                   tile_size=tile_size)
 
     @classmethod
     def from_flex_tiles(cls, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, *, seq_lengths,
-                        block_size, mask_mod, largest_tile: int | None = None) -> "BlockMap":
+                        block_size, mask_mod, tile_size: tuple[int, int] | None = None) -> "BlockMap":
         """from_flex_block_mask from a BlockMask's parts (maskc's torch operator gets them as
         tensors, so that a new BlockMask of the same shape runs the same compiled graph)."""
         num = kv_num_blocks
@@ -231,6 +228,10 @@ class BlockMap:
                              f"{tuple(num.shape)}; give its tensors batch and head dimensions ([None, None])")
         q_len, kv_len = (int(n) for n in seq_lengths)
         block_size = (block_size, block_size) if isinstance(block_size, int) else tuple(int(b) for b in block_size)
+        tile_size = block_size if tile_size is None else tuple(tile_size)
+        if any(block % tile for block, tile in zip(block_size, tile_size)):
+            raise ValueError(f"tile_size {tile_size} must divide the blocks' BLOCK_SIZE {block_size} on each side; "
+                             f"take it from maskc.runtime.tiles.kernel_tiles_of(BLOCK_SIZE)")
         n_q, n_kv = -(-q_len // block_size[0]), -(-kv_len // block_size[1])
         if num.shape[-1] < n_q:
             raise ValueError(f"block_mask has {num.shape[-1]} rows of q blocks, but its seq_lengths "
@@ -251,10 +252,10 @@ class BlockMap:
                 raise ValueError("block_mask lists a kv block both in kv_indices and in full_kv_indices, which "
                                  "flex_attention would attend twice; list each block once")
             grid = torch.where(full, FULL, grid * PARTIAL)
-        grid, block_size = _split_large_blocks(grid.to(torch.int8), block_size, q_len, kv_len, largest_tile)
+        grid = _cut_blocks(grid.to(torch.int8), block_size, tile_size, q_len, kv_len)
         pieces = Pieces.from_grid(grid, torch.ones_like(grid, dtype=torch.bool), grid.shape[:3])
         mask = as_mask_mod(mask_mod)
-        return cls(pieces, q_len=q_len, kv_len=kv_len, block_size=block_size, mask_name=mask.__name__,
+        return cls(pieces, q_len=q_len, kv_len=kv_len, block_size=tile_size, mask_name=mask.__name__,
                    mask_mod=mask, traced=mask.traced)
 
     def for_tiles(self, block_m: int, block_n: int) -> tuple["BlockMap", int, int]:

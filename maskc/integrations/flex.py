@@ -25,7 +25,7 @@ from maskc.analysis.build import IN_PYTHON as ANALYSED_IN_PYTHON
 from maskc.masks import and_masks, or_masks
 from maskc.runtime import compiled_attention
 from maskc.runtime.api import CAPTURED_GRADIENTS, PLAIN_FUNCTION, captured_need_grad, plain_function
-from maskc.runtime.tiles import MAX_TILE, check_block_size
+from maskc.runtime.tiles import kernel_tiles_of
 from maskc.trace import MaskMod, as_mask_mod
 
 _log = logging.getLogger(__name__)
@@ -122,8 +122,9 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
                       separate_full_blocks=True, compute_dq_write_order=False, dq_kv_order=True):
     """torch's create_block_mask, by maskc's analysis instead of evaluating every pair: the
     torch BlockMask of `mask_mod` at these lengths, with tiles of BLOCK_SIZE (an int or
-    (q, kv); maskc's kernels take powers of two from 16 to 256). B or H None: one row for
-    every batch or head, as torch makes it.
+    (q, kv), multiples of 16: maskc's kernels read each block as the power-of-two tiles inside
+    it, so (128, 112) runs as torch runs it). B or H None: one row for every batch or head, as
+    torch makes it.
 
     maskc's analysis needs no compilation (`_compile` has no effect) and its backward is
     deterministic by construction (`compute_dq_write_order` and `dq_kv_order`, which prepare
@@ -134,6 +135,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     B, H = (1 if n is None else n for n in (B, H))
+    kernel_tiles_of(BLOCK_SIZE)  # refused here, where it is given, rather than at the first call
     analysed = block_map(mask_mod, Q_LEN, KV_LEN, block_size=BLOCK_SIZE, B=B, H=H, device=device)
     return analysed.to_flex_block_mask(B, H, separate_full_blocks=separate_full_blocks)
 
@@ -153,7 +155,8 @@ def converted(block_mask) -> BlockMap:
     found = CONVERTED.get(block_mask)
     if found is not None and _same(found[0], state):
         return found[1]
-    bm = BlockMap.from_flex_block_mask(block_mask, largest_tile=MAX_TILE)
+    bm = BlockMap.from_flex_block_mask(block_mask, tile_size=kernel_tiles_of(block_mask.BLOCK_SIZE,
+                                                                              "block_mask BLOCK_SIZE"))
     CONVERTED[block_mask] = (state, bm)
     return bm
 
@@ -172,9 +175,8 @@ def _same(a, b) -> bool:
 
 
 def _check_fits(bm: BlockMap, query, key) -> None:
-    """The BlockMask's lengths and block size, said in FlexAttention's words (compiled_attention
-    checks the rest)."""
-    check_block_size(bm.block_size, "block_mask BLOCK_SIZE")
+    """The BlockMask's lengths, said in FlexAttention's words (compiled_attention checks the
+    rest; a converted BlockMask's block size is checked where it is converted)."""
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key)):
         return  # compiled_attention says what is wrong with them
     lengths = (query.shape[2], key.shape[2])

@@ -37,7 +37,7 @@ from maskc.analysis.blockmap import BlockMap
 from maskc.runtime import decode as decoding
 from maskc.runtime import launch, plan
 from maskc.runtime.autograd import refuse_second_derivatives
-from maskc.runtime.tiles import MAX_TILE
+from maskc.runtime.tiles import kernel_tiles_of
 from maskc.trace.mods import MaskMod, ScoreMod, mod_of_key
 
 _lock = threading.Lock()
@@ -102,7 +102,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, s
     if flex_tiles:
         block_map = BlockMap.from_flex_tiles(*flex_tiles, *[None] * (4 - len(flex_tiles)),
                                              seq_lengths=flex_layout[:2], block_size=flex_layout[2:], mask_mod=mask,
-                                             largest_tile=MAX_TILE)
+                                             tile_size=kernel_tiles_of(flex_layout[2:], "block_mask BLOCK_SIZE"))
     B, Hq, Lq, _ = q.shape
     if 0 in (B, Hq, Lq, k.shape[2]):
         out, lse = launch.no_pairs(q, v)

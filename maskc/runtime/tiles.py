@@ -192,6 +192,19 @@ def check_block_size(block_size, what: str = "block_size") -> tuple[int, int]:
     return size
 
 
+def kernel_tiles_of(block_size, what: str = "BLOCK_SIZE") -> tuple[int, int]:
+    """The tiles at which a BlockMask with blocks of `block_size` (an int or (q, kv)) drives the
+    kernels: on each side, the largest power of two up to MAX_TILE that divides the block. Each
+    tile lies inside one block and takes that block's status, so the tiles that run are exactly
+    the ones FlexAttention runs: (128, 112) blocks are read as (128, 16) tiles."""
+    size = (block_size, block_size) if isinstance(block_size, int) else block_size
+    size = tuple(size) if isinstance(size, (tuple, list)) else ()
+    if len(size) != 2 or any(not isinstance(b, int) or isinstance(b, bool) or b <= 0 or b % MIN_TILE for b in size):
+        raise ValueError(f"{what} sizes must be multiples of {MIN_TILE} (the kernels' smallest tile, which a block "
+                         f"is cut into), got {block_size!r}; use for example 128 or (128, 112)")
+    return tuple(min(b & -b, MAX_TILE) for b in size)
+
+
 def bh_group(head_dim: int) -> int:
     """How many (b, h) pairs the forward's launch order interleaves (BH_GROUP in the template).
     Two let the last pair's long causal q tiles start sooner: +3-4% on causal and prefix-LM
