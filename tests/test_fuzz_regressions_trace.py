@@ -213,51 +213,38 @@ def test_a_mod_of_a_scaled_mod_keeps_torch_s_value():
     assert_block_map_sound(maskc.mask_mod(mod_of_a_scaled_mod), L, L, (16, 16))
 
 
-def test_an_abs_nested_in_an_abs_is_kept_as_written():
-    """sympy's Abs simplifies the signs of its whole argument on every level, so a mod nesting
-    abs(x - i) in a loop traced in cubic time (9 s at 80 levels; session 24). An Abs of an
-    argument holding an Abs is built unevaluated: the trace keeps every level, and the map and
-    the kernel still agree with torch's dense evaluation."""
-    def nested(b, h, q_idx, kv_idx):
-        x = q_idx - kv_idx
-        for i in range(40):
-            x = torch.abs(x - (i % 7))
-        return x < 5
+def abs_nest(b, h, q_idx, kv_idx):
+    x = q_idx - kv_idx
+    for i in range(40):
+        x = torch.abs(x - (i % 7))
+    return x < 5
 
+
+def halvings(b, h, q_idx, kv_idx):
+    x = q_idx
+    for _ in range(30):
+        x = torch.floor(x / 2) + kv_idx
+    return x >= 5
+
+
+@pytest.mark.parametrize("nested, node, levels", [(abs_nest, sympy.Abs, 40), (halvings, sympy.floor, 30)],
+                         ids=["abs", "floor"])
+def test_a_node_nested_in_its_own_kind_is_kept_as_written(nested, node, levels):
+    """sympy evaluates Abs by simplifying the signs of its whole argument, and floor by asking the
+    assumptions of its whole argument, on every level: a mod nesting abs(x - i) in a loop traced
+    in cubic time (9 s at 80 levels), one nesting floor(x / 2) + kv_idx took 44 s at 100 levels to
+    reach the recursion refusal. An Abs, floor or ceiling of an argument holding one of its kind
+    is built unevaluated: the trace keeps every level, and the map and the kernel still agree
+    with torch's dense evaluation."""
     traced = maskc.mask_mod(nested).traced
     depth, e = 0, traced.expr
     while e.args:
-        e = next((a for a in e.args if a.has(sympy.Abs)), None) or e.args[0]
-        depth += isinstance(e, sympy.Abs)
-    assert depth == 40
+        e = next((a for a in e.args if a.has(node)), None) or e.args[0]
+        depth += isinstance(e, node)
+    assert depth == levels
     assert torch.equal(dense_mask(nested, 50, 70), maskc.create_mask(nested, 1, 1, 50, 70, device="cpu"))
     assert_block_map_sound(nested, 50, 70, (16, 16))
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(1, 1, 50, 16, generator=g), torch.randn(1, 1, 70, 16, generator=g)
     out = maskc.compiled_attention(q, k, k, mask_mod=nested)
     torch.testing.assert_close(out.double(), attention_reference(q, k, k, mask_mod=nested)[0], atol=2e-6, rtol=0)
-
-
-def test_a_floor_nested_in_a_floor_is_kept_as_written():
-    """sympy's floor asks the assumptions of its whole argument on every level, so a mod nesting
-    floor(x / 2) + kv_idx in a loop traced in superlinear time (44 s at 100 levels to reach the
-    recursion refusal). A floor or ceiling of an argument holding one is built unevaluated: the
-    trace keeps every level, and the map and the kernel still agree with torch's dense mask."""
-    def halvings(b, h, q_idx, kv_idx):
-        x = q_idx
-        for _ in range(30):
-            x = torch.floor(x / 2) + kv_idx
-        return x >= 5
-
-    traced = maskc.mask_mod(halvings).traced
-    depth, e = 0, traced.expr
-    while e.args:
-        e = next((a for a in e.args if a.has(sympy.floor)), None) or e.args[0]
-        depth += isinstance(e, sympy.floor)
-    assert depth == 30
-    assert torch.equal(dense_mask(halvings, 50, 70), maskc.create_mask(halvings, 1, 1, 50, 70, device="cpu"))
-    assert_block_map_sound(halvings, 50, 70, (16, 16))
-    g = torch.Generator().manual_seed(1)
-    q, k = torch.randn(1, 1, 50, 16, generator=g), torch.randn(1, 1, 70, 16, generator=g)
-    out = maskc.compiled_attention(q, k, k, mask_mod=halvings)
-    torch.testing.assert_close(out.double(), attention_reference(q, k, k, mask_mod=halvings)[0], atol=2e-6, rtol=0)
