@@ -26,7 +26,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).parent))
 import maskc  # noqa: E402
-from maskc.runtime import hopper, launch, plan  # noqa: E402
+from maskc.runtime import launch, plan  # noqa: E402
 from maskc.testing import attention_reference, dense_mask  # noqa: E402
 from maskc.trace.mods import as_mask_mod, as_score_mod  # noqa: E402
 from workloads import workloads  # noqa: E402
@@ -36,7 +36,6 @@ flex = torch.compile(flex_attention, dynamic=False)
 
 def bench(fn) -> float:
     fn()
-    hopper.settle()  # a new Gluon forward compiles in the background: time the kernel maskc settles on
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 

@@ -23,14 +23,12 @@ import torch.multiprocessing as mp
 
 import maskc
 import maskc.distributed as md
-from maskc.runtime import hopper
 
 
 def timed(fn, repeats: int, device) -> float:
     """Median seconds of fn() on every rank, each repeat started and ended together, after one run
-    and the Gluon compiles it started (maskc/runtime/hopper.py)."""
+    (which compiles the kernels)."""
     fn()
-    hopper.settle()
     times = []
     for _ in range(repeats):
         _sync(device)

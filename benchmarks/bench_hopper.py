@@ -31,8 +31,6 @@ def _chosen(call) -> bool:
     """Whether the default setting (MASKC_GLUON=1) picks the Gluon kernel for this call."""
     plans.PLANS.clear()
     call()
-    hopper.settle()  # a new Gluon kernel compiles in the background: the next call takes it
-    call()
     return ran_gluon()
 
 
@@ -131,7 +129,6 @@ def timing_backward(dims=(128, 64), only="", L=8192):
             for _ in range(2):
                 for arm, run in arms.items():
                     run()
-                    hopper.settle()
                     times.setdefault(arm, []).append(triton.testing.do_bench(run, warmup=10, rep=100))
             ms = {arm: min(t) for arm, t in times.items()}
             print(f"{name:22s} {D:4d} {ms['gluon']:8.3f} {ms['g-dq']:8.3f} {ms['triton']:8.3f} {ms['flex']:8.3f} "

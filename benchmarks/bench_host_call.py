@@ -1,40 +1,90 @@
-"""Host work of a cached compiled_attention call, on the CPU: the kernel's launch is replaced
-by a no-op, so what is timed is maskc's Python between the call and the launch (the mod's
-guards, the plan lookup, the checks). The tiny-call overhead on the GPU (bench_overhead.py)
-is this plus the launch; this one runs anywhere, so a change can be compared before a GPU
-session:
+"""Host work of a cached compiled_attention call, on the CPU: what is timed is maskc's Python
+between the call and the launch (the mod's guards, the plan lookup, the checks). The tiny-call
+overhead on the GPU (bench_overhead.py, bench_decode_step.py) is this plus Triton's launcher;
+this one runs anywhere, so a change can be compared before a GPU session:
 
-    python benchmarks/bench_host_call.py
+    python benchmarks/bench_host_call.py [--decode]
     PYTHONPATH=/path/to/other/tree python benchmarks/bench_host_call.py   # another version
 
-B=1, H=1, L=128, D=64, float32, causal, no gradients; best and median of 7 rounds of 2000
-calls, µs a call.
+Prefill (the default): B=1, H=1, L=128, D=64, float32, causal, no gradients; the forward's
+launch (launch.forward) is replaced by a function returning ready outputs.
+
+--decode: issue #41's decoding step, B=1, Hq=32, Hkv=8, D=128, 4096 keys, one query, causal,
+kv_lens, with the H100's decoding tiles (16×64) and 32 splits forced (what the H100 chooses),
+so that the call launches the split kernel and the combine as it does there; float32, since
+the interpreter's path would copy bf16 inputs to float32 on every call. The launches run
+launch.py's direct path, checks included: every LaunchPlan is made as on CUDA (`_direct` False:
+no direct runner yet) with Triton's `fn[grid]` replaced by a stand-in compiled kernel whose grid
+launcher does nothing. The first call then builds the direct runner as on the GPU, and later
+calls pass its checks; torch.cuda.current_device and Triton's current stream (this machine has
+no CUDA) return 0. Left out: Triton's own launcher (its grid runner and the driver's launch).
+
+Best and median of 7 rounds of 2000 calls, µs a call.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 
 import maskc
-from maskc.runtime import api
+from maskc.runtime import api, launch, tiles
 
 
-def main() -> None:
+class _Compiled:
+    """Stands for the kernel Triton's `fn[grid](...)` returns: its grid launcher does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, stream=None: None
+
+
+def _launches_as_on_cuda() -> None:
+    made = launch.LaunchPlan.__init__
+
+    def on_cuda(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self.fn, self._direct = (lambda *args, **options: _Compiled()), False
+
+    launch.LaunchPlan.__init__ = on_cuda
+    torch.cuda.current_device = lambda: 0
+    launch.driver = SimpleNamespace(active=SimpleNamespace(get_current_stream=lambda device: 0))
+
+
+def prefill():
     q, k, v = (torch.randn(1, 1, 128, 64) for _ in range(3))
     out, lse = torch.empty_like(q), torch.empty(1, 1, 128)
     api.launch.forward = lambda q, k, v, problem: (out, lse)  # the launch, and nothing else, left out
-    mask = maskc.masks.causal
-    with torch.no_grad():
-        maskc.compiled_attention(q, k, v, mask_mod=mask)  # traces and plans once
+    return lambda: maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal)
+
+
+def decode():
+    _launches_as_on_cuda()
+    q = torch.randn(1, 32, 1, 128)
+    k, v = (torch.randn(1, 8, 4096, 128) for _ in range(2))
+    lens = torch.full((1,), 4096, dtype=torch.int32)
+    return lambda: maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal, enable_gqa=True, kv_lens=lens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--decode", action="store_true", help="time the decoding step instead of the prefill call")
+    args = parser.parse_args()
+    call = decode() if args.decode else prefill()
+    tiles_of_h100 = tiles.use_config(decode=tiles.TileConfig(16, 64, 4, 3), splits=32)
+    with torch.no_grad(), tiles_of_h100 if args.decode else contextlib.nullcontext():
+        call()  # traces and plans once
         rounds = []
         for _ in range(7):
             start = time.perf_counter()
             for _ in range(2000):
-                maskc.compiled_attention(q, k, v, mask_mod=mask)
+                call()
             rounds.append((time.perf_counter() - start) / 2000 * 1e6)
-    print(f"host work of a cached call: best {min(rounds):.1f} µs, median {statistics.median(rounds):.1f} µs")
+    what = "decoding step" if args.decode else "prefill call"
+    print(f"host work of a cached {what}: best {min(rounds):.1f} µs, median {statistics.median(rounds):.1f} µs")
 
 
 if __name__ == "__main__":

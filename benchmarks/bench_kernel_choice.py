@@ -71,8 +71,6 @@ def main():
             os.environ["MASKC_GLUON"] = "1"
             plans.PLANS.clear()
             forward()
-            hopper.settle()
-            forward()
             chosen = "gluon" if any("hfwd" in p.launches for p in plans.PLANS.values()) else "triton"
             times = {}
             for _ in range(2):
@@ -83,7 +81,6 @@ def main():
                     timed = (("fwd", forward), ("step", step)) if args.backward else (("fwd", forward),)
                     for what, run in timed:
                         run()
-                        hopper.settle()
                         times.setdefault((arm, what), []).append(triton.testing.do_bench(run, warmup=10, rep=60))
             ms = {key: min(t) for key, t in times.items()}
             line = (f"{name:24s} {D:4d} {tiles_a_row(mask, L):6.1f} {chosen:>7s} {ms['triton', 'fwd']:8.3f} "

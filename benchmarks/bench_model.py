@@ -21,7 +21,6 @@ import torch
 import transformers
 
 import maskc.integrations.transformers
-from maskc.runtime import hopper
 
 CONFIG = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
               num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=16384,
@@ -41,10 +40,9 @@ def model_for(impl: str, state=None):
 
 
 def timed(fn, repeats: int) -> float:
-    """Median seconds of fn() over `repeats` runs, each synchronised, after one run and the Gluon
-    compiles it started (maskc/runtime/hopper.py)."""
+    """Median seconds of fn() over `repeats` runs, each synchronised, after one run (which compiles
+    the kernels)."""
     fn()
-    hopper.settle()
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()

@@ -146,7 +146,7 @@ if which == "profile":
 instrument()
 for window in (1000, 1100):
     total = first_result(window)
-    print(f"maskc {which} window={window}: first result {total:.3f} s, {maskc.cache_info()}")
+    print(f"maskc {which} window={window}: first result {total:.3f} s, {maskc.runtime.cache_info()}")
     print(breakdown(total))
 """
 

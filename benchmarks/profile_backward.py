@@ -25,7 +25,6 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
 import maskc  # noqa: E402
-from maskc.runtime import hopper  # noqa: E402
 from maskc.testing import dense_mask  # noqa: E402
 from bench_bias_grads import SMALL_FLEX_TILES  # noqa: E402
 from workloads import workloads  # noqa: E402
@@ -41,8 +40,6 @@ def kernel_times(step) -> dict[str, float]:
     """Mean CUDA milliseconds per step of each kernel `step()` launches."""
     for _ in range(3):
         step()
-    hopper.settle()
-    step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(STEPS):

@@ -7,7 +7,8 @@ more than `max_cells` cells a side, never as an L×L image.
 
 NOTE: this module is a tool over the core (DESIGN.md): it imports BlockMap, and attaches
 `BlockMap.plot` itself below, so that maskc/analysis never imports a drawing library or
-this module. `import maskc` imports it; matplotlib is imported on the first drawing.
+this module. The first public name of maskc in use imports it (maskc/__init__.py); matplotlib is
+imported on the first drawing.
 
 >>> ax = maskc.plot(maskc.masks.sliding_window(256), q_len=4096, kv_len=4096)
 >>> ax.figure.savefig("sliding.png")

@@ -17,8 +17,8 @@ takes it as an argument with a default that fits 56 tokens. The lines that build
 buffers keep their form with small sizes; a mod's own `def` body is untouched.
 
 Vector operations inside a mod (a reduction over a row of a captured tensor, a dot product,
-top-k membership) are allowed to be refused by maskc with a MaskTraceError; the mods that do
-this are marked `# VECTOR OP` below, and tests/test_compat.py asserts the refusal.
+top-k membership) are marked `# VECTOR OP` below: maskc unrolls them over rows of at most 64
+elements (maskc/trace/vector.py) and refuses longer ones with a MaskTraceError.
 
 Not copied: mods that only differ from a copied one by a local variable name
 (test_max_autotune's `score * 2`, test_absolute_2d_bias, test_batch_head_bias,

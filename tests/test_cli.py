@@ -172,11 +172,27 @@ def test_show_says_when_a_png_cannot_be_written(capsys, tmp_path):
     assert code == 2 and "cannot write --png" in err, err
 
 
+def test_show_refuses_a_png_path_that_is_a_folder(capsys, tmp_path):
+    # matplotlib adds ".png" to a name without a suffix: `--png /tmp` wrote /tmp.png
+    code, out, err = cli(capsys, "show", "causal", "--q-len", "64", "--png", str(tmp_path))
+    assert code == 2 and out == "" and err.startswith("usage: maskc"), err
+    assert f"cannot write --png {tmp_path}: it is a folder; name a file in it, like {tmp_path / 'map.png'}" in err
+    assert not tmp_path.with_suffix(".png").exists()
+
+
+def test_show_writes_the_png_it_names(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "map"  # no suffix: written as named, not as map.png
+    code, out, _ = cli(capsys, "show", "causal", "--q-len", "64", "--png", str(target))
+    assert code == 0 and out.splitlines()[-1].startswith(f"wrote {target} (")
+    assert target.read_bytes().startswith(b"\x89PNG") and not target.with_suffix(".png").exists()
+
+
 def test_show_says_when_a_map_does_not_fit_in_memory(capsys, monkeypatch):
     def too_large(*args, **kwargs):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory")
 
-    monkeypatch.setattr(maskc.cli.mask, "block_map", too_large)
+    monkeypatch.setattr("maskc.cli.mask.block_map", too_large)
     code, _, err = cli(capsys, "show", "causal", "--batch", "100000", "--heads", "100000")
     assert code == 1 and "does not fit in this machine's memory" in err, err
 
@@ -245,7 +261,7 @@ def test_doctor_says_what_failed(capsys, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("the interpreter is broken\nsecond line")
 
-    monkeypatch.setattr(maskc.cli.doctor, "compiled_attention", broken)
+    monkeypatch.setattr("maskc.cli.doctor.compiled_attention", broken)
     code, out, _ = cli(capsys, "doctor")
     assert code == 1
     assert "FAILED: RuntimeError: the interpreter is broken" in out and "second line" not in out

@@ -14,9 +14,9 @@ that are not multiples of the tile (test_block_map); and through `maskc.compiled
 forward and backward against `maskc.testing.attention_reference` in float64 (test_attention).
 test_reference checks that reference itself against FlexAttention's semantics (each mod
 called on scalars, through torch.vmap, as FlexAttention does), so a failure can be told
-apart from a kernel bug. Mods made of vector operations (a reduction over a row of a
-captured tensor, a dot product, top-k membership) may be refused: test_refused asserts the
-MaskTraceError and its message (what, file:line, fix).
+apart from a kernel bug. Small vector operations (a reduction over a row of a captured
+tensor, a dot product, top-k membership) run unrolled; what maskc refuses, test_refused asserts
+the MaskTraceError and its message (what, file:line, fix).
 
 Everything runs through Triton's interpreter on the CPU: shapes are tiny (B <= 2, H = 2,
 Lq = 40, Lkv = 56, D = 16) and float32.
@@ -147,6 +147,17 @@ def _shared_prefix():
     return M.generate_shared_prefix_mask_mod(offsets, torch.tensor([0, 0, 0, 3, 3], dtype=torch.int32))
 
 
+def _vsa():
+    topk = torch.stack([torch.randperm(7)[:3] for _ in range(2 * HEADS * 5)]).view(2, HEADS, 5, 3).to(torch.int32)
+    return M.generate_vsa_mask_mod(topk, 8)
+
+
+def _mla():
+    query_rope = torch.randn(2, HEADS, Q_LEN, 4)
+    key_rope = torch.randn(2, 1, KV_LEN, 4)
+    return MOD.generate_mla_rope_score_mod(query_rope, key_rope, num_heads=HEADS, scale=0.5)
+
+
 GYM_CASES = [
     mask("gym-causal_mask", lambda: M.causal_mask),
     mask("gym-sliding_window", lambda: M.generate_sliding_window(10)),
@@ -173,12 +184,14 @@ GYM_CASES = [
     mask("gym-batchify-causal", lambda: M.batchify_mask_mod(M.causal_mask, 12)),
     mask("gym-vsa_padding", lambda: attn_gym.masks.vsa.generate_vsa_padding_mask_mod(
         torch.tensor([8, 5, 8, 3, 8, 8, 6]), 8)),
+    mask("gym-vsa_topk", _vsa, B=2),  # (selected_tiles == kv_tile.unsqueeze(-1)).any(dim=-1), unrolled
     score("gym-alibi", lambda: MOD.generate_alibi_bias(HEADS)),
     score("gym-tanh_softcap", lambda: MOD.generate_tanh_softcap(2)),
     score("gym-activation-gelu", lambda: MOD.generate_activation_score_mod()),
     score("gym-sandwich", lambda: MOD.generate_sandwich_bias(HEADS, KV_LEN, d_bar=16)),
     score("gym-graphormer_spatial", _graphormer_spatial, B=2),
     score("gym-graphormer_edge", _graphormer_edge, B=2),
+    score("gym-mla_rope", _mla, B=2),  # torch.dot(query_rope[b, h, q_idx], key_rope[...]), unrolled
     both("gym-causal+alibi", lambda: M.causal_mask, lambda: MOD.generate_alibi_bias(HEADS)),
     both("gym-sliding_window+tanh_softcap", lambda: M.generate_sliding_window(10),
          lambda: MOD.generate_tanh_softcap(2)),
@@ -296,34 +309,20 @@ FLEX_CASES = [
                    "indirect_bias", "symmetric_bias", "head_specific_gate", "distinct_biases")],
     mask("fd-test_paged_attention_page_size-causal_offset_mask", fx.from_test_paged_attention_page_size),
     score("fd-test_captured_buffers", fx.from_test_captured_buffers),
+    score("fa-test_captured_reduction", fx.from_test_captured_reduction, B=2),  # scale[b].sum(dim=-1), unrolled
+    score("fa-test_reduction_unrolled", fx.from_test_reduction_unrolled),  # .pow(2).sum(-1), unrolled
+    score("fa-test_autograd_function_in_score_mod", fx.from_test_autograd_function_in_score_mod),
 ]
 
 CASES = GYM_CASES + FLEX_CASES
 MASK_CASES = [c for c in CASES if c.has_mask]
 
 
-def _vsa():
-    topk = torch.stack([torch.randperm(7)[:3] for _ in range(2 * HEADS * 5)]).view(2, HEADS, 5, 3).to(torch.int32)
-    return "mask_mod", M.generate_vsa_mask_mod(topk, 8)
-
-
-def _mla():
-    query_rope = torch.randn(2, HEADS, Q_LEN, 4)
-    key_rope = torch.randn(2, 1, KV_LEN, 4)
-    return "score_mod", MOD.generate_mla_rope_score_mod(query_rope, key_rope, num_heads=HEADS, scale=0.5)
-
-
-# Mods whose values are vector operations: maskc may refuse them, and then must say so clearly.
+# Mods maskc refuses, and then must say so clearly.
 REFUSED = {
-    "gym-vsa_topk": _vsa,  # (selected_tiles == kv_tile.unsqueeze(-1)).any(dim=-1): top-k membership
-    "gym-mla_rope": _mla,  # torch.dot(query_rope[b, h, q_idx], key_rope[...]): a dot product
-    "fa-test_captured_reduction": lambda: ("score_mod", fx.from_test_captured_reduction()),  # scale[b].sum(dim=-1)
-    "fa-test_reduction_unrolled": lambda: ("score_mod", fx.from_test_reduction_unrolled()),  # .pow(2).sum(-1)
-    # Not vector operations, but refused for honesty: an op known by its name alone (attn-gym's
-    # inline-PTX tanh registered as torch.ops.approx.tanh) could compute anything, and an
-    # autograd.Function whose backward is not its forward's derivative would give other gradients.
+    # an op known by its name alone (attn-gym's inline-PTX tanh registered as
+    # torch.ops.approx.tanh) could compute anything
     "gym-tanh_softcap-approx": lambda: ("score_mod", MOD.generate_tanh_softcap(2, approx=True)),
-    "fa-test_autograd_function_in_score_mod": lambda: ("score_mod", fx.from_test_autograd_function_in_score_mod()),
 }
 
 

@@ -24,6 +24,7 @@ from _inputs import qkv
 from maskc import masks
 from maskc.analysis import EMPTY, FULL, PARTIAL
 from maskc.integrations import flex
+from maskc.runtime.tiles import choose
 from maskc.testing import assert_gradient_close_to_reference, attention_reference
 
 # What a FlexAttention user writes; only the import line differs between the two copies.
@@ -298,6 +299,8 @@ def test_blocks_that_are_multiples_of_16_run_exactly(blocks, tiles, maker, mask_
     block_mask = create(mask_mod, None, None, 250, 230, device="cpu", BLOCK_SIZE=blocks)
     converted = flex.converted(block_mask)
     assert converted.block_size == tiles
+    # so read at the kernels' own tiles, however coarser
+    assert converted.agrees_with_mask and converted.coarsens_exactly(256, 256)
     rows = torch.arange(converted.n_q) * tiles[0] // blocks[0]
     columns = torch.arange(converted.n_kv) * tiles[1] // blocks[1]
     assert torch.equal(converted.to_dense(), _tiles(block_mask)[:, :, rows][..., columns])
@@ -313,9 +316,6 @@ def test_blocks_that_are_multiples_of_16_run_exactly(blocks, tiles, maker, mask_
         assert_gradient_close_to_reference(got, want, torch.float32, f"d{name}")
 
 
-@pytest.mark.xfail(strict=True, reason="the map's 16-wide tiles are coarsened to the kernels' 32-wide ones "
-                   "(BlockMap.for_tiles), which is exact only where the listed tiles agree with the mask_mod: "
-                   "a coarse tile that mixes a left-out tile with a listed one runs the mask_mod on both")
 def test_a_hand_made_block_mask_of_112_wide_blocks_skips_the_blocks_it_leaves_out():
     """q block 1 leaves out kv block 0, which causal keeps whole: FlexAttention's kernels skip it
     (its eager CPU path applies only the mask_mod), and maskc must too."""
@@ -323,6 +323,12 @@ def test_a_hand_made_block_mask_of_112_wide_blocks_skips_the_blocks_it_leaves_ou
     kv_idx = torch.tensor([[[[0, 1, 2], [1, 2, 0]]]], dtype=torch.int32)
     block_mask = torch_flex.BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=(128, 112), mask_mod=masks.causal,
                                                      seq_lengths=(250, 300))
+    converted = flex.converted(block_mask)
+    assert not converted.agrees_with_mask
+    # the kernels' 32-wide tiles would mix kv block 0's last 16 keys with block 1's first
+    assert converted.coarsens_exactly(32, 16) and not converted.coarsens_exactly(32, 32)
+    chosen = choose(64, "cpu", 4, block_map_size=converted.block_size, reads_exactly=converted.coarsens_exactly)
+    assert [(c.block_m, c.block_n) for c in (chosen.forward, *chosen.backward)] == [(32, 16)] * 3
     q, k, v = qkv(1, 2, 2, 250, 300, seed=12)
     out, lse = maskc.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
 
@@ -334,6 +340,71 @@ def test_a_hand_made_block_mask_of_112_wide_blocks_skips_the_blocks_it_leaves_ou
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
     causal_out, _ = attention_reference(q, k, v, mask_mod=masks.causal)
     assert not torch.allclose(out[:, :, 128:].double(), causal_out[:, :, 128:], atol=1e-3)
+
+
+def _every_seventh_pair_out(b, h, q_idx, kv_idx):
+    # keeps pairs in every tile, and drops some in every tile: no listed tile agrees with it
+    return ((q_idx + kv_idx) % 7 != 0) & (kv_idx <= q_idx + 90)
+
+
+def _hand_made(blocks, q_len: int, kv_len: int, seed: int):
+    """A BlockMask of BLOCK_SIZE `blocks` listing random tiles, in random order, as left out,
+    masked (kv_indices) or full (full_kv_indices), and the pairs FlexAttention's kernels attend
+    with it: a full tile's every pair, a masked tile's where the mask_mod keeps them."""
+    n_q, n_kv = -(-q_len // blocks[0]), -(-kv_len // blocks[1])
+    generator = torch.Generator().manual_seed(seed)
+    tile = torch.multinomial(torch.tensor([0.4, 0.35, 0.25]), n_q * n_kv, replacement=True,
+                             generator=generator).view(1, 1, n_q, n_kv).to(torch.int8)  # EMPTY, PARTIAL, FULL
+    lists = []
+    for status in (PARTIAL, FULL):
+        chosen = tile == status
+        order = torch.rand(chosen.shape, generator=generator) + (~chosen).float()  # chosen first, shuffled
+        lists += [chosen.sum(-1).to(torch.int32), order.argsort(-1).to(torch.int32)]
+    block_mask = torch_flex.BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=blocks, mask_mod=_every_seventh_pair_out,
+                                                     seq_lengths=(q_len, kv_len))
+    pos_q, pos_kv = torch.arange(q_len).view(-1, 1), torch.arange(kv_len).view(1, -1)
+    tiles = tile[0, 0, pos_q // blocks[0], pos_kv // blocks[1]]
+    keep = (tiles == FULL) | ((tiles == PARTIAL) & _every_seventh_pair_out(0, 0, pos_q, pos_kv))
+    return block_mask, keep
+
+
+HAND_MADE_BLOCKS = [(16, 16), (32, 64), (128, 112), (64, 48)]
+
+
+@pytest.mark.parametrize("blocks", HAND_MADE_BLOCKS, ids=str)
+def test_hand_made_block_masks_attend_only_their_listed_tiles(blocks):
+    """Whatever the tiles' size against the kernels' (finer ones are read at coarser kernel
+    tiles only where that changes no pair), forward, lse and gradients match the float64
+    reference of the listed tiles and the mask_mod, at lengths that are not multiples."""
+    block_mask, keep = _hand_made(blocks, 150, 170, seed=sum(blocks))
+    q, k, v, d_out = qkv(1, 2, 2, 150, 170, seed=13, requires_grad=True, grad_out=True)
+    out, lse = maskc.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+    ref_out, ref_lse = attention_reference(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: keep[q_idx, kv_idx])
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    expected = torch.autograd.grad(ref_out, (q, k, v), d_out.double())
+    for got, want, name in zip(grads, expected, "qkv"):
+        assert_gradient_close_to_reference(got, want, torch.float32, f"d{name}")
+
+
+@pytest.mark.parametrize("blocks", HAND_MADE_BLOCKS, ids=str)
+def test_hand_made_block_masks_attend_only_their_listed_tiles_when_decoding(blocks):
+    # few query rows and no gradient, which take the decoding kernel where the map agrees with its
+    # mask_mod; it evaluates the mask on FULL tiles and across rows' spans, so this map runs on the prefill one
+    block_mask, keep = _hand_made(blocks, 20, 170, seed=sum(blocks) + 1)
+    q, k, v = qkv(1, 2, 2, 20, 170, seed=14)
+    out, lse = maskc.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+    ref_out, ref_lse = attention_reference(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: keep[q_idx, kv_idx])
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_kv_lens_refuse_a_hand_made_block_mask_that_disagrees_with_its_mask_mod():
+    block_mask, _ = _hand_made((16, 16), 170, 170, seed=15)
+    q, k, v = qkv(1, 2, 2, 4, 170, seed=16)
+    with pytest.raises(maskc.MaskcError, match=r"the decoding kernel \(kv_lens\) needs a block_map whose tiles agree"):
+        maskc.compiled_attention(q, k, v, block_map=flex.converted(block_mask), kv_lens=torch.tensor([170]))
 
 
 @pytest.mark.parametrize("blocks", [100, (128, 100), (8, 16)], ids=str)

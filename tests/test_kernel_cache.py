@@ -169,21 +169,21 @@ def test_equivalent_spellings_share_one_kernel():
         return kv_idx <= q_idx
 
     first = _compile(ge)
-    assert maskc.cache_info().misses == 1
+    assert maskc.runtime.cache_info().misses == 1
     for other in (le, masks.causal):
         kernel = _compile(other)
         assert (kernel.signature, kernel.path) == (first.signature, first.path)
-    info = maskc.cache_info()
+    info = maskc.runtime.cache_info()
     assert (info.misses, info.hits, info.currsize) == (1, 2, 1)
 
 
 def test_window_sizes_share_one_kernel():
     q, k, v = qkv(D=32)
     out8 = _run_and_check(q, k, v, mask_mod=masks.sliding_window(8))
-    misses = maskc.cache_info().misses
+    misses = maskc.runtime.cache_info().misses
     assert misses == 1
     out16 = _run_and_check(q, k, v, mask_mod=masks.sliding_window(16))
-    assert maskc.cache_info().misses == misses
+    assert maskc.runtime.cache_info().misses == misses
     assert not torch.allclose(out8, out16)
     assert _compile(masks.sliding_window(8)).path == _compile(masks.sliding_window(1000)).path
 
@@ -193,13 +193,13 @@ def test_captured_tensor_values_do_not_compile():
     mask = masks.document(ids, causal=True)
     q, k, v = qkv(D=32)
     before = _run_and_check(q, k, v, mask_mod=mask)
-    misses = maskc.cache_info().misses
+    misses = maskc.runtime.cache_info().misses
     ids[15:] = 3  # in place: the same mask object now means something else
     after = _run_and_check(q, k, v, mask_mod=mask)
     assert not torch.allclose(before, after)
     other = masks.document(torch.arange(40) // 7, causal=True)  # another tensor, same expression
     _run_and_check(q, k, v, mask_mod=other)
-    assert maskc.cache_info().misses == misses
+    assert maskc.runtime.cache_info().misses == misses
 
 
 def test_a_new_expression_renders_and_a_new_dtype_or_head_dim_does_not():
@@ -209,7 +209,7 @@ def test_a_new_expression_renders_and_a_new_dtype_or_head_dim_does_not():
     _compile(masks.causal, head_dim_v=16)
     _compile(masks.prefix_lm(4))
     _compile(masks.causal, scores.softcap(3.0))
-    info = maskc.cache_info()
+    info = maskc.runtime.cache_info()
     assert (info.misses, info.hits) == (3, 3)
     assert len(os.listdir(os.environ["MASKC_CACHE_DIR"])) == 3
 
@@ -254,10 +254,10 @@ def test_memory_then_disk(cache_dir):
     kernel = _compile(masks.causal)
     mtime = kernel.path.stat().st_mtime_ns
     assert _compile(masks.causal) is kernel
-    assert tuple(maskc.cache_info()) == (1, 1, 0, 1)
+    assert tuple(maskc.runtime.cache_info()) == (1, 1, 0, 1)
     KERNELS.clear()
     again = _compile(masks.causal)
-    assert tuple(maskc.cache_info()) == (0, 0, 1, 1)
+    assert tuple(maskc.runtime.cache_info()) == (0, 0, 1, 1)
     assert again.source == kernel.source and again.path == kernel.path
     assert kernel.path.stat().st_mtime_ns == mtime  # read, not rewritten
     assert not [p for p in cache_dir.iterdir() if p.suffix != ".py"]  # no temporary files left
@@ -271,7 +271,7 @@ q, k, v = (torch.randn(1, 2, 40, 32, generator=g) for _ in range(3))
 out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.sliding_window(5))
 ref, _ = maskc.testing.attention_reference(q, k, v, mask_mod=maskc.masks.sliding_window(5))
 maskc.testing.assert_close_to_reference(out, ref)
-print(json.dumps(maskc.cache_info()._asdict()))
+print(json.dumps(maskc.runtime.cache_info()._asdict()))
 """
 
 

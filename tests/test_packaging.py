@@ -10,9 +10,10 @@ import maskc
 REPO = Path(__file__).resolve().parent.parent
 
 PUBLIC = ["BlockMap", "BlockMask", "CacheInfo", "CompiledKernel", "MaskMod", "MaskTraceError", "MaskcError",
-          "PagedKVCache", "ScoreMod", "__version__", "and_masks", "block_map", "cache_info", "compile",
-          "compiled_attention", "create_block_mask", "create_mask", "flex_attention", "invalidate", "mask_mod", "masks",
-          "noop_mask", "or_masks", "paged_attention", "plot", "score_mod", "scores"]
+          "PagedKVCache", "ScoreMod", "__version__", "and_masks", "block_map", "cache_info", "clear_caches",
+          "compile", "compiled_attention", "create_block_mask", "create_mask", "flex_attention", "invalidate",
+          "mask_mod", "masks", "noop_mask", "or_masks", "paged_attention", "plot", "score_mod", "scores",
+          "warmup"]
 
 
 def test_public_surface_is_pinned():

@@ -120,12 +120,12 @@ def test_captured_values_change_without_recompile():
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     _step(compiled, _x())
-    kernels = maskc.cache_info().misses
+    kernels = maskc.runtime.cache_info().misses
     for ids, window, cap in ((torch.tensor([0] * 8 + [1] * 40), 40, 5.0),  # another ids tensor
                              (torch.tensor([0] * 8 + [1] * 40), 6, 2.5)):  # another window and cap
         _assert_steps_agree(compiled, model)
     assert counter.frame_count == 1 and _no_graph_breaks()
-    assert maskc.cache_info().misses == kernels, "a captured value changed the kernel"
+    assert maskc.runtime.cache_info().misses == kernels, "a captured value changed the kernel"
 
 
 def test_a_new_length_recompiles_once():
@@ -221,9 +221,9 @@ def test_operators_pass_opcheck():
                for s in range(3))
     softcap = scores.softcap(5.0)
     keys = (masks.causal.key, softcap.key, None)
-    torch.library.opcheck(torch.ops.maskc.attention.default, (q, k, v, *keys, None, False, [], [0, 0, 0, 0]))
+    torch.library.opcheck(torch.ops.maskc.attention.default, (q, k, v, *keys, None, False, [], [0, 0, 0, 0], True))
     q, k, v = (t.detach() for t in (q, k, v))  # the backward has no backward of its own
-    out, lse, token = torch.ops.maskc.attention(q, k, v, *keys, None, False, [], [0, 0, 0, 0])
+    out, lse, token = torch.ops.maskc.attention(q, k, v, *keys, None, False, [], [0, 0, 0, 0], True)
     torch.library.opcheck(torch.ops.maskc.attention_backward.default,
                           (q, k, v, out, lse, token, torch.randn_like(out), None))
 
@@ -235,7 +235,7 @@ def test_the_backward_returns_gradients_in_the_layout_its_fake_kernel_promises()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, 24, 2, 16, generator=g).transpose(1, 2) for batch in (2, 1, 1))
     keys = (masks.causal.key, "", None)
-    out, lse, token = torch.ops.maskc.attention(q, k, v, *keys, None, False, [], [0, 0, 0, 0])
+    out, lse, token = torch.ops.maskc.attention(q, k, v, *keys, None, False, [], [0, 0, 0, 0], True)
     args = (q, k, v, out, lse, token, torch.randn_like(out), None)
     torch.library.opcheck(torch.ops.maskc.attention_backward.default, args)
     for grad, t in zip(torch.ops.maskc.attention_backward(*args), (q, k, v)):
@@ -392,3 +392,30 @@ def test_flex_attention_with_new_block_masks_compiles_once():
     # torch's BlockMask keeps the plain function: outside the graph, which fullgraph refuses
     with pytest.raises(Exception, match=r"a plain function as mask_mod or score_mod runs outside the graph"):
         compiled(*leaves, theirs)
+
+
+@pytest.mark.parametrize("lens", [None, torch.tensor([40, 17], dtype=torch.int32)], ids=["no kv_lens", "kv_lens"])
+def test_a_short_query_runs_the_same_kernel_eagerly_and_compiled(lens, monkeypatch):
+    """A no-grad query of few rows takes the split-KV decoding kernel eagerly (decode.wanted);
+    compiled it must take the same one: one call, one kernel choice, bitwise the same answer.
+    (On the interpreter the prefill kernel happens to agree bitwise at these sizes, so the test
+    also records which kernel ran.)"""
+    from maskc.runtime import decode
+    ran = []
+    contiguous = decode.contiguous
+    monkeypatch.setattr(decode, "contiguous", lambda *args: ran.append("decode") or contiguous(*args))
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 4, 1, 16, generator=gen)
+    k, v = torch.randn(2, 2, 40, 16, generator=gen), torch.randn(2, 2, 40, 16, generator=gen)
+
+    def step(q):
+        # without kv_lens the one query sits at position 0, where causal keeps a single key
+        mask = masks.causal if lens is not None else None
+        return maskc.compiled_attention(q, k, v, mask_mod=mask, enable_gqa=True, kv_lens=lens, return_lse=True)
+
+    with torch.no_grad():
+        eager = step(q)
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(q)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert ran == ["decode", "decode"] and _no_graph_breaks()

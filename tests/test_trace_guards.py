@@ -64,13 +64,13 @@ def test_changed_global_retraces_end_to_end_without_a_new_kernel(monkeypatch):
     q, k, v = qkv()
     _assert_attention_matches(q, k, v, mask_mod=sliding_global)
     before = as_mask_mod(sliding_global).traced
-    misses = maskc.cache_info().misses
+    misses = maskc.runtime.cache_info().misses
     monkeypatch.setattr(THIS, "WINDOW", 100)
     _assert_attention_matches(q, k, v, mask_mod=sliding_global)
     after = as_mask_mod(sliding_global).traced
     assert after is not before and after.signature == before.signature
     assert [p.value for p in after.params] == [100]
-    assert maskc.cache_info().misses == misses  # only a parameter value changed
+    assert maskc.runtime.cache_info().misses == misses  # only a parameter value changed
 
 
 def test_rebound_global_tensor_is_used_end_to_end(monkeypatch):

@@ -14,6 +14,7 @@ import weakref
 
 import torch
 
+from maskc.analysis import dense
 from maskc.analysis.classify import EMPTY, FULL, PARTIAL
 from maskc.analysis.pieces import Pieces
 from maskc.analysis.rows import HostPieces
@@ -33,6 +34,8 @@ _PICTURE_MAX = 64
 # causal map of 2^22 tiles took 0.15 s to coarsen and 0.32 s to transpose, about the GPU's
 # first-use cost; 2^21 stays well below it.
 _HOST_CELLS = 1 << 21
+# Pairs coarsens_exactly evaluates the mask on at a time, as the analysis settles tiles.
+_DENSE_PAIRS = 1 << 22
 
 
 def _cut_blocks(grid, block_size, tile_size, q_len: int, kv_len: int):
@@ -56,6 +59,11 @@ class BlockMap:
     >>> bm.to_dense()      # int8 [B', H', q_tiles, kv_tiles]: 0 EMPTY, 1 PARTIAL, 2 FULL
     """
 
+    # The analysis of a mask into a map (maskc.analysis.build.block_map_of_trace), which a listed
+    # map asks to check its tiles (agrees_with_mask). build builds on this module and installs it
+    # here when imported; maskc/analysis/__init__.py imports build.
+    analyse = None
+
     def __init__(self, pieces: Pieces | HostPieces, *, q_len: int, kv_len: int, block_size: tuple[int, int],
                  mask_name: str = "mask", mask_mod=None, traced=None, device=None):
         self.q_len, self.kv_len = q_len, kv_len
@@ -75,6 +83,10 @@ class BlockMap:
         self._buffer = buffer if device is None else buffer.to(device)
         self._set_views()
         self._coarse: dict = {}  # coarsened(q_factor, kv_factor) of this map, built once
+        # Whether the tiles were listed rather than analysed from the mask (from_flex_tiles), so
+        # may disagree with it (agrees_with_mask); coarsens_exactly's answers by factors.
+        self.listed = False
+        self._exact: dict = {}
         self._register()
 
     def _register(self) -> None:
@@ -255,20 +267,92 @@ class BlockMap:
         grid = _cut_blocks(grid.to(torch.int8), block_size, tile_size, q_len, kv_len)
         pieces = Pieces.from_grid(grid, torch.ones_like(grid, dtype=torch.bool), grid.shape[:3])
         mask = as_mask_mod(mask_mod)
-        return cls(pieces, q_len=q_len, kv_len=kv_len, block_size=tile_size, mask_name=mask.__name__,
-                   mask_mod=mask, traced=mask.traced)
+        listed = cls(pieces, q_len=q_len, kv_len=kv_len, block_size=tile_size, mask_name=mask.__name__,
+                     mask_mod=mask, traced=mask.traced)
+        listed.listed = True
+        return listed
+
+    @functools.cached_property
+    def agrees_with_mask(self) -> bool:
+        """Whether the mask keeps no pair of an EMPTY tile and every pair of a FULL one, so that a
+        kernel may evaluate it on any tile and read the map at any coarser tiles. A map analysed
+        from its mask does (the analysis is sound); a listed one (from_flex_tiles) need not: a
+        hand-made BlockMask may leave out tiles its mask_mod keeps, or list as full a tile it
+        masks, and FlexAttention attends exactly the tiles it lists."""
+        if not self.listed:
+            return True
+        # The mask's own map at these tiles (O(tiles) for the standard masks) clears the tiles it
+        # is sure of; the mask is evaluated only on the EMPTY and FULL tiles it leaves unsure,
+        # not on every pair of every such tile (O(L²)).
+        analysed = BlockMap.analyse(self.mask_mod, self.traced, self.q_len, self.kv_len, block_size=self.block_size,
+                                    B=self.B, H=self.H, settle=False).to_dense()
+        fine = self.to_dense(analysed.device)
+        unsure = ((fine == EMPTY) & (analysed != EMPTY)) | ((fine == FULL) & (analysed != FULL))
+        return self._agrees_on(unsure.nonzero(), fine)
+
+    def coarsens_exactly(self, block_m: int, block_n: int) -> bool:
+        """Whether a kernel of block_m × block_n tiles reads this map as its tiles say (for_tiles).
+        A map tile as large as the kernel's, or larger, always is; a coarser kernel tile of mixed
+        verdicts evaluates the mask on all its pairs, which is exact only where the mask agrees
+        with the EMPTY and FULL tiles it covers (agrees_with_mask). Where it is not, the kernel's
+        tiles must be no larger than the map's (maskc.runtime.tiles.choose cuts them so).
+        Decided once per size by evaluating the mask on those tiles alone: no more pairs than
+        the kernel evaluates it on."""
+        factors = (max(1, block_m // self.block_size[0]), max(1, block_n // self.block_size[1]))
+        if not self.listed or factors == (1, 1):
+            return True
+        exact = self._exact.get(factors)
+        if exact is None:
+            exact = self._exact[factors] = self._mixes_agreeing(*factors)
+        return exact
+
+    def _mixes_agreeing(self, q_factor: int, kv_factor: int) -> bool:
+        """Whether the mask agrees with the EMPTY and FULL tiles that lie in PARTIAL tiles of
+        coarsened(q_factor, kv_factor)."""
+        # where the captured tensors are (a CPU scalar serves any device, as in the analysis)
+        device = next((t.device for t in self.traced.tensors if t.dim() or t.device.type != "cpu"), self.device)
+        fine = self.to_dense(device)
+        coarse = self.coarsened(q_factor, kv_factor).to_dense(device)
+        coarse = coarse.repeat_interleave(q_factor, 2)[:, :, :self.n_q].repeat_interleave(kv_factor, 3)[..., :self.n_kv]
+        return self._agrees_on((((fine == EMPTY) | (fine == FULL)) & (coarse == PARTIAL)).nonzero(), fine)
+
+    def _agrees_on(self, tiles: torch.Tensor, fine: torch.Tensor) -> bool:
+        """Whether the mask keeps no pair of each EMPTY tile and every pair of each FULL one among
+        `tiles` (rows of (b, h, q tile, kv tile) into `fine`, this map's to_dense()), by
+        evaluating it on their pairs, a chunk at a time, on fine's device."""
+        device = fine.device
+        bm, bn = self.block_size
+        values = self.traced.param_values()
+        for chunk in tiles.split(max(1, _DENSE_PAIRS // (bm * bn))):
+            b, h, i, j = (t.view(-1, 1, 1) for t in chunk.T)
+            q = i * bm + torch.arange(bm, device=device).view(1, -1, 1)
+            kv = j * bn + torch.arange(bn, device=device).view(1, 1, -1)
+            valid = (q < self.q_len) & (kv < self.kv_len)
+            env = dense.symbols_env(b, h, q.clamp(max=self.q_len - 1), kv.clamp(max=self.kv_len - 1))
+            keep = dense.evaluate(self.traced.expr, env, self.traced.tensors, values).expand(valid.shape) & valid
+            full = fine[tuple(chunk.T)].view(-1, 1, 1) == FULL
+            if bool(torch.where(full, valid & ~keep, keep).any()):
+                return False
+        return True
 
     def for_tiles(self, block_m: int, block_n: int) -> tuple["BlockMap", int, int]:
         """This map as a kernel with block_m × block_n tiles reads it: (map, q multiple, kv
         multiple). A map tile spanning several kernel tiles is read as it is, the kernel scaling
         its runs by the multiples (Inductor's SPARSE_Q/KV_BLOCK_SIZE); where a kernel tile spans
         several map tiles, the map is coarsened (no analysis of the mask again). Tile sizes are
-        powers of two, so one always divides the other."""
+        powers of two, so one always divides the other. A listed map whose coarsening would
+        change which pairs are attended (coarsens_exactly) is refused."""
         m, n = self.block_size
         for mine, theirs in ((m, block_m), (n, block_n)):
             if mine % theirs and theirs % mine:
                 raise ValueError(f"block_map tiles {self.block_size} cannot drive {block_m}×{block_n} kernel tiles: "
                                  f"one must be a multiple of the other; build the map with block_size=(64, 64)")
+        if not self.coarsens_exactly(block_m, block_n):
+            raise MaskcError(f"a listed block_map is read at coarser kernel tiles only where that changes no pair, "
+                             f"got {block_m}×{block_n} kernel tiles over its {self.block_size} ones, which would "
+                             f"cover EMPTY or FULL tiles that mask_mod '{self.mask_name}' disagrees with beside "
+                             f"others and let it decide their pairs; read it at kernel tiles of at most "
+                             f"{self.block_size} (maskc.runtime.tiles.choose cuts them so)")
         coarse = self.coarsened(max(1, block_m // m), max(1, block_n // n))
         return coarse, max(1, m // block_m), max(1, n // block_n)
 
@@ -292,8 +376,8 @@ class BlockMap:
         coarse = BlockMap(pieces, q_len=self.q_len, kv_len=self.kv_len,
                           block_size=(self.block_size[0] * q_factor, self.block_size[1] * kv_factor),
                           mask_name=self.mask_name, mask_mod=self.mask_mod, traced=self.traced, device=self.device)
-        # built from this map, so from these values
-        coarse.tensor_stamps, coarse._storages = self.tensor_stamps, self._storages
+        # built from this map, so from these values, and listed where it is
+        coarse.tensor_stamps, coarse._storages, coarse.listed = self.tensor_stamps, self._storages, self.listed
         self._coarse[(q_factor, kv_factor)] = coarse
         return coarse
 

@@ -402,3 +402,6 @@ def _floordiv(x, d):
 
 def _ceildiv(x, d):
     return x if d == 1 else (x + (d - 1)) // d
+
+
+BlockMap.analyse = staticmethod(block_map_of_trace)

@@ -309,6 +309,9 @@ class IntervalEvaluator:
     def _BFloat16(self, e):
         return self._increasing(e.args[0], lambda x: x.to(torch.float32).to(torch.bfloat16).to(x.dtype))
 
+    def _CustomBackward(self, e):
+        return self._run(e.value)
+
     def _sin(self, e):
         return self._wave(e, torch.sin, math.pi / 2)
 

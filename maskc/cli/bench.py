@@ -49,9 +49,9 @@ def workloads(length: int, heads: int, device) -> list[tuple]:
     ]
 
 
-def add(commands) -> None:
+def add_bench(commands, help: str) -> None:
     parser = commands.add_parser(
-        "bench", help="time maskc, FlexAttention and SDPA on the standard workloads (needs a GPU)",
+        "bench", help=help,
         description=__doc__.split("\n\n")[1].replace("\n", " ") + " Forward only.")
     parser.add_argument("--quick", action="store_true", help="a short run: B=1 H=8 L=2048, fewer repetitions")
     parser.add_argument("--batch", type=positive_int, help="batch size (default: 4; --quick 1)")
@@ -131,4 +131,4 @@ def _ratio(a, b) -> str:
     return f"{a / b:.2f}" if a is not None and b is not None else "—"
 
 
-__all__ = ["add", "document_ids", "run", "workloads"]
+__all__ = ["add_bench", "document_ids", "run", "workloads"]

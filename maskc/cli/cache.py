@@ -19,9 +19,9 @@ from maskc.settings import cache_dir, cache_max_size, parse_size
 OTHER_FILES = {"autotune.json": "tuned tile choices", "triton_key.json": "Triton's stored cache key"}
 
 
-def add(commands) -> None:
+def add_cache(commands, help: str) -> None:
     parser = commands.add_parser(
-        "cache", help="show, list, clear or prune the kernel cache",
+        "cache", help=help,
         description="The kernel cache: generated kernel files, tuned tile choices and Triton's stored key, in "
                     "$MASKC_CACHE_DIR (default ~/.cache/maskc). A kernel is stale when no install of this maskc "
                     "version reads it again (another maskc version or codegen wrote it).")
@@ -155,4 +155,4 @@ def _remove(home: Path, paths: list[Path], wait: float) -> int:
         raise Unavailable(f"{error}, or wait longer with --wait") from None
 
 
-__all__ = ["OTHER_FILES", "add"]
+__all__ = ["OTHER_FILES", "add_cache"]

@@ -25,9 +25,9 @@ from maskc.testing.reference import attention_reference
 COPY_ENGINE_MAJOR = 9
 
 
-def add(commands) -> None:
+def add_doctor(commands, help: str) -> None:
     parser = commands.add_parser(
-        "doctor", help="report versions, GPU, fast paths and cache, and run a tiny kernel",
+        "doctor", help=help,
         description="Report the versions maskc runs with, the GPU and its capability, which fast paths apply, the "
                     "cache directory and the settings in force; then run a tiny attention through Triton's "
                     "interpreter (and compiled, where there is a GPU) against the float64 reference. Exits 1 when "
@@ -117,4 +117,4 @@ def _check(device: torch.device, dtype: torch.dtype) -> tuple[str, bool]:
     return f"{verdict} ({elapsed:.1f} s)", True
 
 
-__all__ = ["add", "run"]
+__all__ = ["add_doctor", "run"]

@@ -33,9 +33,9 @@ def _tiles(text: str) -> tuple[int, int]:
     return values * 2 if len(values) == 1 else values
 
 
-def add(commands) -> None:
+def add_show(commands, help: str) -> None:
     show = commands.add_parser(
-        "show", help="print a mask's block map (FULL/PARTIAL/EMPTY tiles), optionally as a PNG",
+        "show", help=help,
         description=textwrap.fill(
             "Analyse MASK into its block map and print it: a picture of the tiles (█ FULL: no mask code, "
             "░ PARTIAL: mask evaluated, · EMPTY: skipped), their counts, the sparsity and the time the analysis "
@@ -54,8 +54,10 @@ def add(commands) -> None:
     show.add_argument("--png", metavar="FILE", help="also draw the map into this PNG file (needs matplotlib)")
     show.set_defaults(run=run_show, parser=show)
 
+
+def add_source(commands, help: str) -> None:
     source = commands.add_parser(
-        "source", help="print the Triton kernel maskc generates for a mask (and score_mod)",
+        "source", help=help,
         description=textwrap.fill(
             "Print the generated Triton source of MASK's kernel, exactly the file that runs (or its path). dtype and "
             "head dim are launch values, checked as a call would check them: one file serves them all but float64, "
@@ -86,6 +88,9 @@ def run_show(args) -> int:
         raise UsageError(f"the documents of {args.mask!r} hold {length} tokens but --q-len is {q_len}; pass --q-len "
                          f"{length}, or lengths that add up to {q_len}")
     kv_len = args.kv_len or q_len
+    if args.png and Path(args.png).is_dir():
+        raise UsageError(f"cannot write --png {args.png}: it is a folder; name a file in it, like "
+                         f"{Path(args.png) / 'map.png'}")
     if args.png and not Path(args.png).resolve().parent.is_dir():
         raise UsageError(f"--png {args.png}: no folder {Path(args.png).resolve().parent}; name a file in a folder "
                          f"that exists")
@@ -109,7 +114,8 @@ def run_show(args) -> int:
         except ImportError as error:
             raise Unavailable(str(error)) from None
         try:
-            ax.figure.savefig(args.png, dpi=100)
+            # format given: matplotlib writes the file named, where it would add ".png" to a name without it
+            ax.figure.savefig(args.png, dpi=100, format="png")
         except OSError as error:
             raise UsageError(f"cannot write --png {args.png}: {error.strerror or error}; name a file you can "
                              f"write") from None
@@ -134,4 +140,4 @@ def run_source(args) -> int:
     return 0
 
 
-__all__ = ["add", "run_show", "run_source"]
+__all__ = ["add_show", "add_source", "run_show", "run_source"]

@@ -176,6 +176,9 @@ class TritonPrinter(CodePrinter):
         # and captured elements' quotients then round as torch's. A score's value does not need
         # it and keeps the GPU's faster forms.
         self.decides = decides
+        # id -> (node, whether it reads q_idx or kv_idx), for _condition; the node is held so
+        # that its id stays its own
+        self._reads_positions: dict[int, tuple] = {}
         self._reset(counts=None, uses={}, prefix="")
 
     def _reset(self, counts, uses, prefix, exprs=()):
@@ -508,6 +511,9 @@ class TritonPrinter(CodePrinter):
     def _print_BFloat16(self, e):
         return self._helper("_rounded", self._float(e.args[0]).text, "tl.bfloat16")
 
+    def _print_CustomBackward(self, e):
+        return self._text(e.value)  # its gradient is render.score_derivative's
+
     def _print_tanh(self, e):
         return self._helper("_tanh", self._float(e.args[0]).text)
 
@@ -607,9 +613,28 @@ class TritonPrinter(CodePrinter):
         beside booleans ("ufunc 'bitwise_xor' not supported"), and `!= 0` compares it as an
         integer, which it broadcasts as integers. Compiled Triton takes either."""
         text = self._text(a)
-        if dag.free_symbols(a) & {Q_IDX, KV_IDX}:
+        if self._reads_position(a):
             return text
         return _Text(f"{text.operand(_Prec.COMPARE + 1)} != 0", _Prec.COMPARE)
+
+    def _reads_position(self, e) -> bool:
+        """Whether `e` reads q_idx or kv_idx, each node decided once from its arguments': the
+        operands of a nest of `&` and `|` share the nest below them, and a walk of each operand
+        would make printing the nest quadratic in its depth."""
+        memo = self._reads_positions
+        stack = [e]
+        while stack:
+            node = stack[-1]
+            if id(node) in memo:
+                stack.pop()
+                continue
+            pending = [a for a in node.args if id(a) not in memo]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            memo[id(node)] = (node, node in (Q_IDX, KV_IDX) or any(memo[id(a)][1] for a in node.args))
+        return memo[id(e)][1]
 
     def _print_Not(self, e):
         return _Text(f"~{self._text(e.args[0]).operand(_Prec.UNARY)}", _Prec.UNARY)

@@ -19,7 +19,7 @@ from maskc.codegen.separable import separate
 from maskc.codegen.source import KernelSource, fuses_multiply_add
 from maskc.errors import MaskcError
 from maskc.trace import dag
-from maskc.trace.symbols import INTEGER_OPS, KV_IDX, Q_IDX, ROUNDED, SCORE, LoadFloat
+from maskc.trace.symbols import INTEGER_OPS, KV_IDX, Q_IDX, ROUNDED, SCORE, CustomBackward, LoadFloat
 
 TEMPLATES = {"fwd": "attention_fwd.py.jinja", "bwd": "attention_bwd.py.jinja", "dec": "attention_decode.py.jinja",
              "hfwd": "attention_fwd_hopper.py.jinja", "hbwd": "attention_bwd_hopper.py.jinja"}
@@ -71,6 +71,14 @@ def render(spec: KernelSource, templates: str | None = None) -> Rendered:
     for slot, rank in enumerate(spec.tensor_ranks):
         extra += tensor_args(slot, rank)
     extra += [f"p{i}" for i in range(len(spec.param_kinds))]
+    try:
+        hooks = _hooks(spec)
+    except RecursionError:
+        # the printer recurses once per level of the expression, as sympy's printers do
+        raise MaskcError("maskc cannot render this kernel: its mask or score mod nests too deeply to print (the "
+                         "printer recurses once per level of the expression, past Python's recursion limit); "
+                         "compute the deep part outside the mod, as a tensor over the positions, and index it "
+                         "with q_idx and kv_idx") from None
     text = _environment(templates).get_template(TEMPLATES[spec.kind]).render(
         kernel_name=KERNEL_NAMES[spec.kind][0],
         template_name=TEMPLATES[spec.kind],
@@ -79,7 +87,7 @@ def render(spec: KernelSource, templates: str | None = None) -> Rendered:
         score_text=describe(spec.score_expr) if spec.score_expr is not None else "none (plain scores)",
         extra_args=extra,
         jit="gluon.jit" if spec.kind in GLUON_KINDS else "triton.jit",
-        **_hooks(spec),
+        **hooks,
     )
     return Rendered(text, parameters(text))
 
@@ -220,8 +228,9 @@ def score_derivative(expr) -> sympy.Expr:
     torch.where passes the gradient to the branch taken (conditions are not differentiated);
     abs has slope sign(x), 0 at 0; sign has slope 0; min, max and clamp pass the gradient to
     the argument they return, and at a tie to one that depends on score (clamp passes it at
-    its bounds); `%` has slope 1 in its dividend. floor, ceil, trunc and integer operations of
-    score have no derivative: an error names the operation.
+    its bounds); `%` has slope 1 in its dividend; a torch.autograd.Function has the slopes its
+    backward gives. floor, ceil, trunc and integer operations of score have no derivative: an
+    error names the operation.
 
     >>> score_derivative(sympy.Max(SCORE, 0))
     Piecewise((1, score >= 0), (0, True))
@@ -264,6 +273,8 @@ class _Derivative:
         if isinstance(e, sympy.Mod):
             a, m = e.args
             return self(a) - sympy.floor(a / m) * self(m)
+        if isinstance(e, CustomBackward):  # the Function's backward, not its value's derivative
+            return sympy.Add(*[s * self(x) for x, s in e.pairs])
         slopes = [self(a) for a in e.args]
         if all(s == 0 for s in slopes) or isinstance(e, (sympy.sign, sympy.Heaviside)):
             return sympy.Integer(0)

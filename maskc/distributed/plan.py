@@ -39,10 +39,12 @@ class ContextParallelPlan:
         self.world_size = layout.world_size
         self.layout = layout.name
         self._layout = layout
-        # the mask's trace and its tensors' versions when planned: a mask that changed since would
-        # keep pairs the plan skips
+        # the mask's trace and its tensors' stamps (Traced.stamps: version and storage, so that
+        # `ids.data = new` shows too) when planned, with the storages that keep the stamps' pointers
+        # theirs: a mask that changed since would keep pairs the plan skips
         self._traced = mask_mod.traced if mask_mod is not None else None
-        self._versions = self._tensor_versions()
+        self._stamps = self._traced.stamps() if self._traced is not None else ()
+        self._storages = self._traced.storages() if self._traced is not None else ()
         self.lengths = tuple(sum(e - s for s, e in (layout.bounds[c] for c in owned)) for owned in layout.owned)
         self.local_len = self.lengths[rank]
         self.steps = layout.steps
@@ -137,13 +139,10 @@ class ContextParallelPlan:
                 raise ValueError(f"mask_mod '{self.mask_mod.__name__}' reads {name}, and this plan was made for "
                                  f"{what}={planned} but q has {got}; make the plan with "
                                  f"maskc.distributed.plan(..., {name.upper()}={got})")
-        if self.mask_mod.traced is not self._traced or self._tensor_versions() != self._versions:
+        if self.mask_mod.traced is not self._traced or self._traced.stamps() != self._stamps:
             raise ValueError(f"mask_mod '{self.mask_mod.__name__}' changed since this plan was made (a number or "
                              f"tensor it captures has a new value), so the plan may skip pairs it now keeps; "
                              f"make a new plan with maskc.distributed.plan")
-
-    def _tensor_versions(self) -> tuple:
-        return tuple((id(t), t._version) for t in self._traced.tensors) if self._traced is not None else ()
 
     def __repr__(self) -> str:
         name = self.mask_mod.__name__ if self.mask_mod is not None else "no mask"

@@ -15,6 +15,7 @@ share of the row): dQ stays home, and the dK/dV of rank r - s's keys go back to 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -24,13 +25,25 @@ from maskc.distributed.plan import ContextParallelPlan
 from maskc.errors import MaskcError
 from maskc.runtime import launch
 from maskc.runtime import plan as planning
-from maskc.runtime import tiles
+from maskc.runtime import state, tiles
 from maskc.runtime.dtypes import accumulator
 from maskc.trace.mods import MaskMod, ScoreMod, as_score_mod
 
 _RINGS = 8  # the score mods a plan keeps the pair mods and Problems of
 _PROBLEMS = 1024
 _AGREEMENTS = 64  # the call signatures a ring keeps the description of (agree.py)
+# Every live ring, so that maskc.clear_caches() reaches the caches each keeps (runtime/state.py).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _clear_rings() -> None:
+    for ring in list(_LIVE):
+        ring.clear()
+
+
+state.register(__name__, "_LIVE", "each live ring's Problems, pair mods and call descriptions",
+               f"{_PROBLEMS} Problems a ring, {_RINGS} rings a plan (one per score mod), while the plan lives",
+               size=lambda: sum(len(ring.problems) for ring in list(_LIVE)), clear=_clear_rings)
 
 
 # Under torch.compile the call is a graph break: its communication and planning run eagerly, and
@@ -115,6 +128,13 @@ class _Ring:
         self._mods: dict = {}
         self.problems: dict = {}
         self._agreements: dict = {}
+        _LIVE.add(self)
+
+    def clear(self) -> None:
+        """Forget the pairs' mods, Problems and call descriptions; the next call makes them again."""
+        self._mods.clear()
+        self.problems.clear()
+        self._agreements.clear()
 
     def agree(self, traced, q, k, v, scale: float, differentiable: bool) -> None:
         """Check that every rank makes this call alike (agree.check, a collective), describing the

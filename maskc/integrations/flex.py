@@ -23,7 +23,7 @@ from maskc._graph import outside_graph
 from maskc.analysis import BlockMap, block_map
 from maskc.analysis.build import IN_PYTHON as ANALYSED_IN_PYTHON
 from maskc.masks import and_masks, or_masks
-from maskc.runtime import compiled_attention
+from maskc.runtime import compiled_attention, state
 from maskc.runtime.api import CAPTURED_GRADIENTS, PLAIN_FUNCTION, captured_need_grad, plain_function
 from maskc.runtime.tiles import kernel_tiles_of
 from maskc.trace import MaskMod, as_mask_mod
@@ -48,8 +48,10 @@ _TILE_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_i
 # Conversions of torch BlockMasks to BlockMaps, kept while the BlockMask lives: a model hands one
 # BlockMask to every layer, and a conversion costs a trace lookup and O(tiles) work.
 CONVERTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+state.register(__name__, "CONVERTED", "each live torch BlockMask's BlockMap", "weak: an entry goes with its BlockMask",
+               size=lambda: len(CONVERTED), clear=CONVERTED.clear)
 # kernel_options key sets already reported as ignored, so the log says it once.
-_IGNORED_REPORTED: set = set()
+_IGNORED_REPORTED = state.lru(__name__, "_IGNORED_REPORTED", "the kernel_options key sets logged as ignored", 64)
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
@@ -193,8 +195,8 @@ def _ignore(kernel_options) -> None:
         raise TypeError(f"kernel_options must be a dict of FlexAttention kernel options or None, got "
                         f"{type(kernel_options).__name__}")
     keys = tuple(sorted(kernel_options))
-    if keys and keys not in _IGNORED_REPORTED:
-        _IGNORED_REPORTED.add(keys)
+    if keys and _IGNORED_REPORTED.get(keys) is None:
+        _IGNORED_REPORTED.put(keys, True)
         _log.info("flex_attention ignores kernel_options %s: FlexAttention's kernel knobs; maskc chooses its own "
                   "tiles", ", ".join(keys))
 

@@ -86,7 +86,8 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
         if kv_lens is not None:
             out, lse = ops.decode(q, k, v, kv_lens, mask_mod, score_mod, scale, enable_gqa, block_map)
         else:
-            out, lse = ops.attention(q, k, v, mask_mod, score_mod, scale, enable_gqa, block_map)
+            differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            out, lse = ops.attention(q, k, v, mask_mod, score_mod, scale, enable_gqa, block_map, differentiable)
         return (out, lse) if return_lse else out
     plan.check_tensors(q, k, v, enable_gqa)
     mask, score = plan.mask_of_call(as_mask_mod(mask_mod), block_map), as_score_mod(score_mod)
@@ -99,7 +100,7 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
     if 0 in (B, Hq, Lq, k.shape[2]):
         out, lse = NoPairs.apply(q, k, v) if differentiable else launch.no_pairs(q, v)
         return (out, lse) if return_lse else out
-    if kv_lens is not None or decode.wanted(q, k, differentiable):
+    if kv_lens is not None or decode.wanted(q, k, differentiable, block_map):
         if differentiable:
             raise NotImplementedError("kv_lens is for decoding and chunked prefill, which maskc runs without "
                                       "gradients; call it under torch.no_grad(), or detach q, k, v and the mods' "

@@ -22,6 +22,7 @@ import threading
 from triton.runtime.errors import OutOfResources
 
 from maskc._log import progress
+from maskc.runtime import state
 from maskc.runtime.cache import write_atomic
 from maskc.runtime.tiles import TileConfig
 from maskc.settings import cache_dir
@@ -71,6 +72,11 @@ def forget() -> None:
     global _choices
     with _LOCK:
         _choices = None
+
+
+state.register(__name__, "_choices", "the tuned tile choices read from autotune.json",
+               "the file's entries, one per kernel signature and length bucket tuned; cleared, the file stays",
+               size=lambda: len(_choices or ()), clear=forget)
 
 
 def _stored() -> dict:

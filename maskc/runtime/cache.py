@@ -43,6 +43,8 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
+from maskc._slots import Slots
+from maskc.runtime import state
 from maskc.settings import cache_dir, cache_max_size, debug
 
 _log = logging.getLogger(__name__)
@@ -59,10 +61,11 @@ class CacheInfo(NamedTuple):
 
 
 class SourceCache:
-    """Signature -> CompiledKernel in memory; signature -> source file on disk."""
+    """Signature -> CompiledKernel in memory (the `size` least recently used); signature ->
+    source file on disk."""
 
-    def __init__(self):
-        self._memory: dict = {}
+    def __init__(self, size: int):
+        self._memory = Slots(size)
         self._lock = threading.Lock()
         self._spares: dict[Path, Path] = {}  # unwritable or untrusted cache directory -> the temporary one
         self._distrusted: set[Path] = set()  # cache directories neither read nor written (untrusted())
@@ -84,7 +87,7 @@ class SourceCache:
         return kernel
 
     def put(self, key, kernel) -> None:
-        self._memory[key] = kernel
+        self._memory.put(key, kernel)
 
     def source(self, name: str, render, tags: dict | None = None) -> tuple[str, Path]:
         """The source stored under `name` and its file, rendering (and writing) it, with `tags`
@@ -418,4 +421,10 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
-KERNELS = SourceCache()
+# A kernel dropped from memory is read again from its file (and Triton's binary from Triton's
+# cache) by the next call that needs it; the plans that hold it keep it meanwhile.
+MAX_KERNELS = 256
+KERNELS = SourceCache(MAX_KERNELS)
+state.register(__name__, "KERNELS", "the CompiledKernel of each kernel source: its loaded module and Triton's binaries",
+               f"{MAX_KERNELS} kernels, least recently used dropped first (the files on disk stay)",
+               size=lambda: KERNELS.info().currsize, clear=KERNELS.clear, maxsize=MAX_KERNELS)

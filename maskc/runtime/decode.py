@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from maskc._slots import Slots
 from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.build import row_wise
-from maskc.runtime import plan, tiles
+from maskc.errors import MaskcError
+from maskc.runtime import plan, state, tiles
 from maskc.runtime.dtypes import dot_precision, interpreter_safe, triton_accumulator
 from maskc.runtime.kernel import CompiledKernel, kernel_for
 from maskc.runtime.launch import LaunchPlan, no_pairs, outputs
@@ -49,7 +49,8 @@ def _decode_bytes(found: "Decode") -> dict:
 
 
 # bounded by the bytes its entries keep alive as well as by count, as plan.PLANS
-DECODES = Slots(64, _decode_bytes, plan_cache_max_size)
+DECODES = state.lru(__name__, "DECODES", "the decoding plan of each call signature with kv_lens or a paged cache",
+                    64, _decode_bytes, plan_cache_max_size)
 
 
 @dataclass(eq=False)
@@ -85,9 +86,12 @@ class Decode:
         return self.Hq // self.Hkv
 
 
-def wanted(q, k, differentiable: bool) -> bool:
-    """Whether compiled_attention takes the decoding kernel for these inputs (kv_lens aside)."""
-    return not differentiable and q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= MAX_ROWS
+def wanted(q, k, differentiable: bool, block_map: BlockMap | None = None) -> bool:
+    """Whether compiled_attention takes the decoding kernel for these inputs (kv_lens aside). It
+    evaluates the mask on FULL tiles and on the union of its rows' spans, so a block map whose
+    tiles disagree with its mask (BlockMap.agrees_with_mask) runs on the prefill kernel."""
+    return (not differentiable and q.shape[2] * (q.shape[1] // max(k.shape[1], 1)) <= MAX_ROWS
+            and (block_map is None or block_map.agrees_with_mask))
 
 
 def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: BlockMap | None = None) -> Decode:
@@ -106,6 +110,12 @@ def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: B
                 raise
             raise ValueError(f"{error} (with kv_lens, queries sit at positions up to kv_len, so the map is built over "
                              f"kv_len × kv_len: maskc.block_map(mask, {kv_cap}, {kv_cap}))") from None
+        if not block_map.agrees_with_mask:
+            raise MaskcError(f"the decoding kernel (kv_lens) needs a block_map whose tiles agree with its mask_mod "
+                             f"(it evaluates '{block_map.mask_name}' on FULL tiles and across its rows' spans), got "
+                             f"one listing EMPTY or FULL tiles the mask_mod disagrees with (a hand-made BlockMask); "
+                             f"call without kv_lens, where the prefill kernels read it exactly, or build the map "
+                             f"from the mask (maskc.block_map, create_block_mask)")
     key = (*map(id, traces), id(block_map), q.dtype, q.device, q.shape, kv_shape, scale, lens, plan.stamps_of(traces),
            tiles.override_key())
     found = DECODES.get(key)
@@ -268,34 +278,41 @@ def run(problem: Decode, q, k, v, *, kv_lens=None, page_table=None, slots=None, 
     given = q
     q, k, v = interpreter_safe(q, k, v)  # (a copy on the interpreter may have other strides)
     out, lse = outputs(given, problem.Dv, q.dtype)
-    variant = (kv_lens is not None, page_table is not None, slots is not None, page_size)
-    launch = problem.launches.get(variant) or _plans(problem, *variant)
-    values = dict(Q=q, K=k, V=v, Out=out, Lse=lse, KvLens=kv_lens, PageTable=page_table, Slots=slots)
-    values.update(zip(_STRIDES["q"], q.stride()))
-    for name, t in (("k", k), ("v", v)):
+    paged = page_table is not None
+    variant = (kv_lens is not None, paged, slots is not None, page_size)
+    decode, combine, part_sizes = problem.launches.get(variant) or _plans(problem, *variant)
+    if paged:
         # pages [pages, page_size, Hkv, D]: the kernel's (b, h, n, d) strides are (page, head, row, d)
-        strides = (t.stride(0), t.stride(2), t.stride(1), t.stride(3)) if page_table is not None else t.stride()
-        values.update(zip(_STRIDES[name], strides))
-    values.update(zip(_STRIDES["o"], out.stride()))
-    if page_table is not None:
-        values["stride_pt"], values["num_slots"] = page_table.stride(0), page_table.shape[0]
-    if problem.splits > 1:
-        rows = problem.Lq * problem.group
-        values["PartOut"] = torch.empty((problem.splits, problem.B * problem.Hkv, rows, padded(problem.Dv)),
-                                        dtype=lse.dtype, device=q.device)
-        values["PartLse"] = torch.empty((problem.splits, problem.B * problem.Hkv, rows), dtype=lse.dtype,
-                                        device=q.device)
-    decode, per_call, combine = launch
-    decode(*(values[name] for name in per_call))
+        (kp, kr, kh, kd), (vp, vr, vh, vd) = k.stride(), v.stride()
+        kv_strides = (kp, kh, kr, kd, vp, vh, vr, vd)
+    else:
+        kv_strides = (*k.stride(), *v.stride())
+    out_strides = out.stride()
+    # the per-call values in _plans' order
+    values = (q, k, v, out, lse, *q.stride(), *kv_strides, *out_strides)
     if combine is not None:
-        combine(out, lse, values["PartOut"], values["PartLse"], *out.stride())
+        # PartOut's elements then PartLse's, in one allocation: the kernels take their pointers
+        parts = torch.empty(part_sizes[0] + part_sizes[1], dtype=lse.dtype, device=q.device)
+        part_out, part_lse = parts, parts[part_sizes[0]:]
+        values += (part_out, part_lse)
+    if kv_lens is not None:
+        values += (kv_lens,)
+    if paged:
+        values += (page_table, page_table.stride(0), page_table.shape[0])
+    if slots is not None:
+        values += (slots,)
+    decode(*values)
+    if combine is not None:
+        combine(out, lse, part_out, part_lse, *out_strides)
     return (out if out.dtype == dtype else out.to(dtype)), lse
 
 
 def _plans(problem: Decode, lens: bool, paged: bool, slots: bool, page_size: int):
-    """The decoding launch (with its per-call parameter names) and the combine's, if any."""
+    """The decoding launch, the combine's if any, and then the sizes of the partial results
+    (PartOut's and PartLse's elements) it merges."""
     config = problem.config
     split = problem.splits > 1
+    # run passes the per-call values in this order
     per_call = ["Q", "K", "V", "Out", "Lse", *_STRIDES["q"], *_STRIDES["k"], *_STRIDES["v"], *_STRIDES["o"]]
     fixed = dict(PartOut=None, PartLse=None, KvLens=None, PageTable=None, Slots=None, stride_pt=0, num_slots=0)
     for name, wanted_here in (("PartOut", split), ("PartLse", split), ("KvLens", lens), ("PageTable", paged),
@@ -316,15 +333,17 @@ def _plans(problem: Decode, lens: bool, paged: bool, slots: bool, page_size: int
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     decode = LaunchPlan(problem.kernel, "attention_decode", problem.interpret,
                         (problem.splits, problem.B * problem.Hkv, n_tiles), fixed, tuple(per_call), options)
-    combine = None
+    combine, part_sizes = None, None
     if split:
+        part_rows = problem.splits * problem.B * problem.Hkv * problem.Lq * problem.group
+        part_sizes = (part_rows * padded(problem.Dv), part_rows)
         combine = LaunchPlan(
             problem.kernel, "attention_combine", problem.interpret, (problem.B * problem.Hkv, n_tiles),
             dict(num_kv_heads=problem.Hkv, q_len=problem.Lq, GROUP=problem.group, HEAD_DIM_V=problem.Dv,
                  DV_PAD=padded(problem.Dv), BLOCK_M=config.block_m, num_splits=problem.splits,
                  SPLITS_PAD=max(2, 1 << (problem.splits - 1).bit_length()), ACC=acc),
             ("Out", "Lse", "PartOut", "PartLse", *_STRIDES["o"]), dict(num_warps=4))
-    problem.launches[(lens, paged, slots, page_size)] = plan_ = (decode, tuple(per_call), combine)
+    problem.launches[(lens, paged, slots, page_size)] = plan_ = (decode, combine, part_sizes)
     return plan_
 
 

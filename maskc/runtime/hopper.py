@@ -27,27 +27,30 @@ to 1.50 on softcap, and from 1.07 to 1.04 on ALiBi, 1.03 to 0.99-1.01 on the sli
 1.22-2.04× FlexAttention, from 1.03-1.65× with the Triton backward.
 MASKC_GLUON=always runs both wherever they can (the GPU check does).
 
-A new Gluon kernel compiles in a background thread while the Triton kernel serves the calls
-(`compile_later`): the Gluon kernel took 3.0 s to compile on the H200 machine against the
-Triton forward's 0.7 s, which put a new mask's first result at 3.7 s (benchmarks/
-compile_latency.py). The first call that finds it compiled switches to it, so a problem's
-first few outputs and the later ones can differ in the last bits (the two kernels add in
-different orders). MASKC_GLUON=always and torch.use_deterministic_algorithms(True) compile it
-before the first call instead; `settle()` waits for the compiles under way (benchmarks do).
+A problem's kernels are chosen at its first call, which compiles the chosen Gluon kernel before
+it returns (launch.py's _launch_gluon: LaunchPlan.warmup, then the launch): every call of the
+problem, its first included, runs the same kernel and gives the same bits (but the dQ that the
+dK/dV kernel sums with atomic additions, computes_dq). A Gluon compile
+that fails or does not fit the GPU is known at that first call, which runs the Triton-language
+kernel and records why (`failed`), so that every later call runs it too. The compile is the
+first call's cost: 3.0 s for the Gluon forward on the H200 machine against the Triton forward's
+0.7 s (benchmarks/compile_latency.py). Gluon's jit compiles through Triton's, so Triton keeps
+the binary in its on-disk cache (TRITON_CACHE_DIR) under a key of the kernel functions' source
+and line numbers (read from the checked text maskc loads, maskc/runtime/loader.py), their
+constexprs, specialisations and options, the GPU and the Triton install; neither the process
+nor the module's name enters it, so a new process loads the binary instead of compiling it
+(tests/gpu/test_first_call.py). maskc.warmup compiles a call's kernels ahead of the call.
 """
 from __future__ import annotations
 
-import atexit
 import functools
-import threading
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from maskc.runtime import tiles
+from maskc.runtime import state, tiles
 from maskc.runtime.descriptors import fits
 from maskc.settings import gluon as gluon_setting
 
@@ -92,16 +95,12 @@ TENSOR_MASK_TILES = {128: 1.0, 64: 1.5}
 # Why a Gluon kernel ("hfwd", "hbwd", "hbwd+dq") failed in this process, by kind: that kind is not
 # tried again. A kernel that did not fit is recorded by what decides its size instead (`failed`):
 # in this module, not on its problem, so that a problem evicted from the plan cache and planned
-# again does not compile it again.
+# again does not compile it again. A misfit dropped from its bound is compiled (and fails) again.
 _failures: dict[str, str] = {}
-_misfits: dict[tuple, str] = {}
-# One thread compiles the Gluon kernels (compile_later): Triton's compiler releases the GIL in its
-# passes and ptxas, so the caller's thread goes on launching meanwhile. Compiles still queued at
-# exit are dropped rather than waited for.
-_compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maskc-gluon")
-atexit.register(_compiler.shutdown, wait=False, cancel_futures=True)
-_pending: set[Future] = set()  # compiles not finished yet, for settle()
-_pending_lock = threading.Lock()
+state.register(__name__, "_failures", "why each kind of Gluon kernel failed in this process",
+               "one entry per kind (hfwd, hbwd, hbwd+dq)", size=lambda: len(_failures), clear=lambda: _failures.clear(),
+               maxsize=3)
+_misfits = state.lru(__name__, "_misfits", "the mods, head dims and dtypes whose Gluon kernel did not fit the GPU", 256)
 
 
 @functools.cache
@@ -129,7 +128,17 @@ def _can_run(problem) -> bool:
     # the problem's own facts first: the interpreter's calls and other shapes read no setting
     return not (problem.interpret or problem.dtype not in (torch.float16, torch.bfloat16) or problem.D != problem.Dv
                 or problem.D not in HEAD_DIMS or problem.Lq < CONSUMER_ROWS or problem.Lkv < CONFIG.block_n
-                or not _is_hopper(problem.device) or _gluon() is None)
+                or not _is_hopper(problem.device) or _gluon() is None or not _reads_map(problem))
+
+
+def _reads_map(problem) -> bool:
+    """Whether the Gluon kernels' fixed tiles read the call's block map exactly: a hand-made map
+    finer than them whose listed tiles disagree with its mask_mod (BlockMap.coarsens_exactly)
+    runs on the Triton-language kernels, whose tiles runtime.tiles.choose fits to it."""
+    if not problem.block_map.listed:
+        return True
+    config = forward_tiles(problem.D, problem.tiles.sparse[0], scored=problem.score is not None)[0]
+    return all(problem.block_map.coarsens_exactly(c.block_m, c.block_n) for c in (config, BACKWARD[problem.D]))
 
 
 def runs(problem) -> bool:
@@ -189,40 +198,6 @@ def _faster(problem) -> bool:
     return bool(mean >= fewest)
 
 
-def in_background() -> bool:
-    """Whether a new Gluon kernel compiles beside the Triton-language one that serves the calls
-    meanwhile (see the module's docstring), rather than before the call that needs it."""
-    return gluon_setting() == "auto" and not torch.are_deterministic_algorithms_enabled()
-
-
-def compile_later(device: torch.device, compile_kernel) -> Future:
-    """Run `compile_kernel()` on the compiling thread with `device` current (Triton compiles for
-    the current device's architecture)."""
-    def run():
-        if device.type == "cuda":  # the thread only compiles: its current device can stay set
-            torch.cuda.set_device(device)
-        compile_kernel()
-    future = _compiler.submit(run)
-    with _pending_lock:
-        _pending.add(future)
-    future.add_done_callback(_finished)
-    return future
-
-
-def _finished(future: Future) -> None:
-    with _pending_lock:
-        _pending.discard(future)
-
-
-def settle() -> None:
-    """Wait until every Gluon kernel under compilation is compiled (or has failed): the calls
-    after this one run whichever kernel the rule picks, as a benchmark needs."""
-    with _pending_lock:
-        pending = list(_pending)
-    for future in pending:
-        future.exception()  # waits; a failure is reported by the call that finds it
-
-
 _KINDS = {"hfwd": "forward", "hbwd": "dK/dV kernel", "hbwd+dq": "dK/dV kernel with dQ"}
 
 
@@ -236,7 +211,7 @@ def failed(key: str, error: BaseException, compiling: bool, problem) -> None:
     reason = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
     when = "to compile" if compiling else "on its first launch"
     if isinstance(error, OutOfResources):
-        _misfits[_size_key(problem, key)] = reason
+        _misfits.put(_size_key(problem, key), reason)
         warnings.warn(f"maskc's Gluon {_KINDS[key]} for Hopper did not fit this GPU {when} for this mask and "
                       f"score mod at head dim {problem.D}, {problem.dtype} ({reason}); the Triton-language kernel "
                       f"runs them instead, and other mods keep the Gluon kernel", RuntimeWarning, stacklevel=4)
@@ -251,7 +226,7 @@ def _failed(problem, key: str) -> bool:
     """Whether the Gluon kernel `key` failed in this process, or did not fit for this problem's
     mods, head dim and dtype (`failed`)."""
     # (every call asks: the key is built only once something did not fit)
-    return key in _failures or (bool(_misfits) and _size_key(problem, key) in _misfits)
+    return key in _failures or (len(_misfits) > 0 and _misfits.get(_size_key(problem, key)) is not None)
 
 
 def _size_key(problem, key: str) -> tuple:
@@ -296,5 +271,5 @@ def _descriptors(tensors, blocks):
 
 __all__ = ["BACKWARD", "CONFIG", "CONFIG_D64", "CONSUMER_REGISTERS", "CONSUMER_REGISTERS_D64", "CONSUMER_ROWS",
            "HEAD_DIMS", "MAX_REGISTERS", "MAX_REGISTERS_D64", "MIN_TILES_PER_ROW", "TENSOR_MASK_TILES",
-           "VARIED_ROWS", "backward_descriptors", "compile_later", "computes_dq", "descriptors", "failed",
-           "forward_tiles", "in_background", "runs", "runs_backward", "settle"]
+           "VARIED_ROWS", "backward_descriptors", "computes_dq", "descriptors", "failed", "forward_tiles", "runs",
+           "runs_backward"]

@@ -11,11 +11,17 @@ which measured faster there; the Gluon ones always take descriptors.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import operator
+import threading
 import time
+from contextvars import ContextVar
+from itertools import compress
 
 import torch
+from triton.runtime import driver
 from triton.runtime.errors import OutOfResources
 
 from maskc._log import slow
@@ -30,6 +36,12 @@ from maskc.settings import direct_launch
 
 _LOG2E = 1.4426950408889634
 _log = logging.getLogger(__name__)
+# Launches inside compiling_only() (maskc.warmup) compile their kernels and run nothing: the
+# kernels compiled there, by name, with their seconds, in this context. `_warming` counts the
+# warmups under way in every thread, so that a launch outside them reads one global.
+_compiled: ContextVar[dict | None] = ContextVar("maskc_compiled", default=None)
+_warming = 0
+_warming_lock = threading.Lock()
 
 
 class LaunchPlan:
@@ -40,11 +52,11 @@ class LaunchPlan:
     The direct launch: Triton's `fn[grid](...)` specialises every argument and hashes the
     result into its cache key on each call (most of a tiny problem's 70-80 µs of host time on
     the H100 machine, benchmarks/bench_overhead.py). The kernel that call returns is launched
-    directly (`compiled[grid](*args)`) while the per-call values specialise as they did then:
-    the same strides (ints specialise on ==1 and %16), tensors of the same dtypes still 16-byte
-    aligned, and the same current device. Anything else takes Triton's path,
-    as does MASKC_DIRECT_LAUNCH=0 (maskc/settings.py). The launcher still calls a profiler's
-    launch hooks."""
+    directly (`compiled[grid](*args)`, on the current stream) while the per-call values
+    specialise as they did then (_Direct): each of the same type, the same strides (ints
+    specialise on ==1 and %16), tensors of the same dtypes still 16-byte aligned, and the same
+    current device. Anything else takes Triton's path, as does MASKC_DIRECT_LAUNCH=0
+    (maskc/settings.py). The launcher still calls a profiler's launch hooks."""
 
     def __init__(self, kernel: CompiledKernel, name: str, interpret: bool, grid: tuple, fixed: dict,
                  per_call: tuple[str, ...], options: dict):
@@ -59,37 +71,44 @@ class LaunchPlan:
         self.fn = self._jit[grid]
         self._what = f"{name} of {kernel.path.name}"
         self._launched = False
-        self._args = [fixed.get(p) for p in params]
-        self._slots = tuple(params.index(p) for p in per_call)
+        # every argument in the kernel's order, taken in one step from the fixed values followed
+        # by a call's (a name in both is the call's)
+        kept = tuple(p for p in params if p not in per_call)
+        self._fixed = tuple(fixed[p] for p in kept)
+        at = {p: i for i, p in enumerate(kept + tuple(per_call))}
+        self._arguments = operator.itemgetter(*(at[p] for p in params))
         self._options = {**options, **kernel.options}
         self._grid = grid
-        self._direct = None if interpret else False  # None: never; False: not yet; else (runner, device, ints)
+        self._direct = None if interpret else False  # None: never; False: not yet; else a _Direct
 
-    def _bound(self, values) -> list:
-        """Every argument, the per-call `values` in their slots."""
-        args = self._args.copy()
-        for slot, value in zip(self._slots, values):
-            args[slot] = value
-        return args
+    def _bound(self, values: tuple) -> tuple:
+        """Every argument, the per-call `values` in their places."""
+        return self._arguments(self._fixed + values)
 
     def __call__(self, *values):
-        args = self._bound(values)
+        if _warming and _compiled.get() is not None:  # maskc.warmup: compile, launch nothing
+            return self.warmup(*values)
         direct = self._direct
-        if direct:
-            runner, device, ints, dtypes = direct
-            tensors = [v for v in values if isinstance(v, torch.Tensor)]
-            if (ints == tuple(v for v in values if type(v) is int) and not any(t.data_ptr() & 15 for t in tensors)
-                    and dtypes == tuple(t.dtype for t in tensors) and torch.cuda.current_device() == device):
-                return runner(*args)
+        if direct and direct.takes(values):
+            return direct.runner(*self._bound(values), stream=driver.active.get_current_stream(direct.device))
+        args = self._bound(values)
         compiled = self.fn(*args, **self._options) if self._launched else self._first(args)
         if direct is False and direct_launch():
-            self._direct = _direct_runner(compiled, self._grid, values)
+            self._direct = _Direct.of(compiled, self._grid, values)
         return compiled
 
-    def warmup(self, *values):
-        """Compile the kernel for these per-call values without launching it (Triton's warmup):
-        the first call then finds it compiled."""
-        self._jit.warmup(*self._bound(values), grid=self._grid, **self._options)
+    def warmup(self, *values) -> None:
+        """Compile the kernel for these per-call values and load it on the GPU without launching
+        it, with fewer stages where it does not fit as a first launch would (_fitting): the first
+        call then finds it compiled. An interpreted kernel has nothing to compile. Inside
+        compiling_only(), the kernel and the seconds it took are recorded there."""
+        start = time.perf_counter()
+        if self._direct is not None:
+            with slow(f"compiling {self._what} (ahead of its first call)"):
+                self._fitting(self._bound(values), launch=False)
+        compiled = _compiled.get()
+        if compiled is not None:
+            compiled[self._what] = compiled.get(self._what, 0.0) + time.perf_counter() - start
 
     def _first(self, args):
         """The first launch, in which Triton compiles the kernel for these constexprs (or finds
@@ -103,16 +122,22 @@ class LaunchPlan:
         _log.info("first launch of %s (%s) took %.2f s", self._what, how, time.perf_counter() - start)
         return compiled
 
-    def _fitting(self, args):
-        """Launch with fewer pipeline stages while the kernel's shared memory does not fit the
-        GPU. The tiles are chosen for q, k and v, but a mod's reads of captured tensors in the
-        loop are staged too: attention-gym's Graphormer edge bias (two int64 tables read per
-        pair) had its dQ kernel at D=128 ask for 288 KiB of an H100's 227
+    def _fitting(self, args, launch: bool = True):
+        """Launch (or only compile and load, without `launch`) with fewer pipeline stages while
+        the kernel's shared memory does not fit the GPU. The tiles are chosen for q, k and v, but
+        a mod's reads of captured tensors in the loop are staged too: attention-gym's Graphormer
+        edge bias (two int64 tables read per pair) had its dQ kernel at D=128 ask for 288 KiB of
+        an H100's 227
         (tests/gpu/test_compat.py::test_gluon_gym_mods), and the dQ kernel's sums of captured tensors'
         gradients 241 KiB with three stages."""
         while True:
             try:
-                return self.fn(*args, **self._options)
+                if launch:
+                    return self.fn(*args, **self._options)
+                # NOTE: Triton's warmup compiles without loading the module; _init_handles loads it
+                # (Triton 3.6 to 3.9), raising OutOfResources where a launch would
+                self._jit.warmup(*args, grid=self._grid, **self._options)._init_handles()
+                return None
             except OutOfResources as error:
                 # a Gluon kernel's stages are its own constexpr (hopper.failed takes its error)
                 if error.name != "shared memory" or "num_stages" not in self._options:
@@ -130,18 +155,61 @@ class LaunchPlan:
                 self._options = {**self._options, "num_stages": stages - 1}
 
 
-def _direct_runner(compiled, grid, values):
-    """(runner, device, int values, tensor dtypes) for launching `compiled` directly, or None where this
-    Triton's compiled kernel has no grid launcher, a value is neither a tensor nor an int (a
-    tensor descriptor), or a tensor is not 16-byte aligned."""
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    if not hasattr(compiled, "__getitem__") or len(tensors) + sum(type(v) is int for v in values) != len(values):
-        return None
-    if any(t.data_ptr() & 15 for t in tensors):
-        return None
-    grid = (*grid, 1, 1)[:3]  # the compiled kernel's launcher reads all three dimensions
-    return (compiled[grid], torch.cuda.current_device(), tuple(v for v in values if type(v) is int),
-            tuple(t.dtype for t in tensors))
+_DTYPE = operator.attrgetter("dtype")
+_MISALIGNMENT = (15).__and__  # a pointer's offset past 16-byte alignment
+
+
+class _Direct:
+    """A kernel Triton compiled for some per-call values, launched directly (LaunchPlan), with
+    what those values specialised as: each one's type (an int stays an int, a tensor a
+    tensor), the ints, the tensors' dtypes, every tensor 16-byte aligned, and the current
+    device. The checks run in C (map, compress, tuple comparison): a decoding step's launch
+    takes 25 values."""
+
+    __slots__ = ("runner", "device", "_types", "_is_int", "_ints", "_is_tensor", "_dtypes")
+
+    def __init__(self, runner, values: tuple, is_int: tuple, is_tensor: tuple):
+        self.runner, self.device = runner, torch.cuda.current_device()
+        self._types, self._is_int, self._is_tensor = tuple(map(type, values)), is_int, is_tensor
+        self._ints, self._dtypes = tuple(compress(values, is_int)), tuple(map(_DTYPE, compress(values, is_tensor)))
+
+    @classmethod
+    def of(cls, compiled, grid, values: tuple) -> _Direct | None:
+        """None where this Triton's compiled kernel has no grid launcher, a value is neither a
+        tensor nor an int (a tensor descriptor), or a tensor is not 16-byte aligned."""
+        is_int = tuple(type(v) is int for v in values)
+        is_tensor = tuple(isinstance(v, torch.Tensor) for v in values)
+        if not hasattr(compiled, "__getitem__") or not all(map(operator.or_, is_int, is_tensor)):
+            return None
+        if any(map(_MISALIGNMENT, map(torch.Tensor.data_ptr, compress(values, is_tensor)))):
+            return None
+        # the compiled kernel's launcher reads all three grid dimensions
+        return cls(compiled[(*grid, 1, 1)[:3]], values, is_int, is_tensor)
+
+    def takes(self, values: tuple) -> bool:
+        """Whether `values` specialise as those the kernel was compiled for did."""
+        if tuple(map(type, values)) != self._types or tuple(compress(values, self._is_int)) != self._ints:
+            return False
+        tensors = tuple(compress(values, self._is_tensor))
+        return (not any(map(_MISALIGNMENT, map(torch.Tensor.data_ptr, tensors)))
+                and tuple(map(_DTYPE, tensors)) == self._dtypes and torch.cuda.current_device() == self.device)
+
+
+@contextlib.contextmanager
+def compiling_only():
+    """A block whose launches, in this thread, compile and load their kernels and run nothing
+    (maskc.warmup); yields {kernel: seconds} of the kernels its launches compiled."""
+    global _warming
+    compiled = {}
+    token = _compiled.set(compiled)
+    with _warming_lock:
+        _warming += 1
+    try:
+        yield compiled
+    finally:
+        with _warming_lock:
+            _warming -= 1
+        _compiled.reset(token)
 
 
 def _strides(prefix: str, letters: str) -> tuple[str, ...]:
@@ -249,41 +317,26 @@ def _forward_plan(problem: Problem, tma: bool) -> LaunchPlan:
 
 def _launch_gluon(problem: Problem, key: str, make_plan, values, prepare=None) -> bool:
     """Launch a Gluon kernel (`key`: "hfwd", "hbwd" or "hbwd+dq", its plan from `make_plan(problem)`) with
-    `values`, after `prepare()` where given; False where it is still compiling in the background
-    or its first launch failed (then the Triton-language kernel runs this call, and `prepare` is
-    not called; maskc/runtime/hopper.py)."""
+    `values`, after `prepare()` where given; False where it failed to compile or on its first
+    launch: the Triton-language kernel runs this call, and every later one, since hopper.failed
+    records why (maskc/runtime/hopper.py). The problem's first call compiles it before it
+    returns, so that every call runs the same kernel; inside compiling_only() it is only compiled,
+    and the call that follows launches it first."""
     plan = problem.launches.get(key)
     if plan is not None:
         if prepare is not None:
             prepare()
         plan(*values)
         return True
-    pending = problem.launches.get((key, "compiling"))
-    if pending is None and hopper.in_background():
-        try:
-            plan = make_plan(problem)
-        except Exception as error:  # noqa: BLE001 (rendering or loading its file: hopper.failed names it)
-            hopper.failed(key, error, compiling=True, problem=problem)
-            return False
-        # The compile specialises on this call's own values, as the GPU runs measured it; it holds
-        # their tensors until it is done (seconds). Triton's stand-ins (a dtype for a tensor) were
-        # not run on a GPU, and a descriptor's stand-in might specialise differently.
-        problem.launches[(key, "compiling")] = (plan, hopper.compile_later(problem.device,
-                                                                             lambda: plan.warmup(*values)))
-        return False
-    if pending is not None:
-        plan, compiling = pending
-        # a CUDA graph being captured keeps the kernel it started with: the switch's first
-        # launch loads a module, which a capture does not allow
-        if not compiling.done() or (problem.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return False
-        if problem.launches.pop((key, "compiling"), None) is None:
-            return False  # another thread took it
-        if compiling.exception() is not None:
-            hopper.failed(key, compiling.exception(), compiling=True, problem=problem)
-            return False
     try:
-        plan = plan or make_plan(problem)
+        plan = make_plan(problem)
+        plan.warmup(*values)
+    except Exception as error:  # noqa: BLE001 (rendering, loading its file or compiling: hopper.failed names it)
+        hopper.failed(key, error, compiling=True, problem=problem)
+        return False
+    if _compiled.get() is not None:
+        return True
+    try:
         if prepare is not None:
             prepare()
         plan(*values)
@@ -314,7 +367,16 @@ def _hopper_plan(problem: Problem) -> LaunchPlan:
 
 
 def seconds(q, k, v, problem: Problem) -> float:
-    """Median wall time of five forwards of `problem`, after one that compiles it (autotuning)."""
+    """Median wall time of five forwards of `problem`, after one that compiles it (autotuning);
+    they run inside compiling_only() too, where autotuning is the planning of maskc.warmup's call."""
+    token = _compiled.set(None)
+    try:
+        return _seconds(q, k, v, problem)
+    finally:
+        _compiled.reset(token)
+
+
+def _seconds(q, k, v, problem: Problem) -> float:
     sync = torch.cuda.synchronize if q.device.type == "cuda" else (lambda: None)
     forward(q, k, v, problem)
     sync()
@@ -393,7 +455,7 @@ def _gluon_backward(problem: Problem, q, k, v, d_out, dk, dv, lse, delta):
         return False, None
     with_dq = hopper.computes_dq(problem)
     # the kernel adds each tile's dQ into the sum: rows no tile reaches stay 0. It is zeroed only
-    # where the kernel launches (not while it compiles in the background: the dQ kernel runs then)
+    # where the kernel launches (not where it failed to compile: the dQ kernel runs then)
     dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if with_dq else None
     tma = hopper.backward_descriptors(q, k, v, d_out, dq_sum, problem.D)
     key = "hbwd+dq" if with_dq else "hbwd"
@@ -447,4 +509,4 @@ def _backward_plans(problem: Problem) -> dict:
     return plans
 
 
-__all__ = ["LaunchPlan", "backward", "forward", "no_pairs", "seconds"]
+__all__ = ["LaunchPlan", "backward", "compiling_only", "forward", "no_pairs", "seconds"]

@@ -32,10 +32,10 @@ import weakref
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from maskc._slots import Slots
 from maskc.analysis.blockmap import BlockMap
+from maskc.errors import MaskcError
 from maskc.runtime import decode as decoding
-from maskc.runtime import launch, plan
+from maskc.runtime import launch, plan, state
 from maskc.runtime.autograd import refuse_second_derivatives
 from maskc.runtime.tiles import kernel_tiles_of
 from maskc.trace.mods import MaskMod, ScoreMod, mod_of_key
@@ -44,16 +44,26 @@ _lock = threading.Lock()
 
 # Tokens: a serial number per plan, while the plan lives, so that a repeated call returns the
 # same token (torch.library.opcheck compares repeated runs); the plans of the most recent tokens
-# are held for their backward, which bounds the memory held whatever runs.
+# are held for their backward, which bounds the memory held whatever runs. The bound is a count:
+# a plan holds its captured tensors, which plan.PLANS bounds by bytes too. A token is never
+# given to another plan, so a backward whose plan was dropped finds none and raises, never
+# running another plan.
 _PENDING = 1024
 _NO_PAIRS = -1  # the token of a forward with no (q, kv) pair: its backward gives zeros
+_NO_BACKWARD = -2  # the token of a forward that recorded none (the decoding kernel's)
 _serials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_forwards = Slots(_PENDING)
+state.register(__name__, "_serials", "the token of each live plan run by the torch.compile operator",
+               "weak: an entry goes with its plan; not cleared, so that a repeated call keeps its token",
+               size=lambda: len(_serials), clear=None)
+_forwards = state.lru(__name__, "_forwards", "the plans of the latest forwards under torch.compile, by token, for "
+                      "their backwards", _PENDING)
 _counter = itertools.count()
 
 
-def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map):
+def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map, differentiable: bool):
     """(out, lse) of compiled_attention through the maskc operators; what Dynamo traces.
+    `differentiable`: whether autograd may record a backward, which the operator needs to choose
+    the kernel as the eager call does (the decoding kernel serves only calls without one).
 
     The mods are named by their keys (strings, made when each was built), which Dynamo reads
     as constants and guards: another mod compiles its own graph, while their values are read
@@ -78,7 +88,7 @@ def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map):
     # gradient would be missing without a word
     _refuse_traced_captured_gradients(mask_mod, score_mod)
     out, lse, _ = torch.ops.maskc.attention(q, k, v, *keys, handle, None if scale is None else float(scale),
-                                            enable_gqa, tiles, layout)
+                                            enable_gqa, tiles, layout, differentiable)
     return out, lse
 
 
@@ -97,7 +107,8 @@ def _key(mod, kind, what: str, fix: str | None = None) -> str:
 @torch.library.custom_op("maskc::attention", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, score_key: str,
              map_handle: torch.Tensor | None, scale: float | None, enable_gqa: bool,
-             flex_tiles: list[torch.Tensor], flex_layout: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             flex_tiles: list[torch.Tensor], flex_layout: list[int],
+             differentiable: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mask, score, block_map, k, v = _inputs(mask_key, score_key, map_handle, q, k, v)
     if flex_tiles:
         block_map = BlockMap.from_flex_tiles(*flex_tiles, *[None] * (4 - len(flex_tiles)),
@@ -107,6 +118,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, s
     if 0 in (B, Hq, Lq, k.shape[2]):
         out, lse = launch.no_pairs(q, v)
         return out, lse, torch.tensor(_NO_PAIRS)
+    if decoding.wanted(q, k, differentiable, block_map):  # the eager call's choice, on the converted map too
+        out, lse = decoding.contiguous(q, k, v, mask, score, scale, None, block_map)
+        return out, lse, torch.tensor(_NO_BACKWARD)
     if block_map is not None:
         problem = plan.given(q, k, v, mask, score, scale, block_map)
     else:
@@ -116,7 +130,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, s
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, mask_key, score_key, map_handle, scale, enable_gqa, flex_tiles, flex_layout):
+def _forward_fake(q, k, v, mask_key, score_key, map_handle, scale, enable_gqa, flex_tiles, flex_layout,
+                  differentiable):
     # runs at trace time: wrong inputs fail there, with the eager call's errors
     plan.check_tensors(q, k, v, enable_gqa)
     return *launch.outputs(q, v.shape[3]), torch.empty((), dtype=torch.int64)
@@ -233,10 +248,17 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     token = int(token)
     if token == _NO_PAIRS:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if token == _NO_BACKWARD:
+        # the graph was traced without gradients (differentiable=False) and replayed with them
+        raise MaskcError("maskc's backward under torch.compile reached a forward traced without gradients, which "
+                         "ran the decoding kernel and kept no plan; call the compiled function with the gradient "
+                         "mode and requires_grad it was compiled with (torch.compile recompiles on a change)")
     problem = _forwards.get(token)
     if problem is None:
-        raise RuntimeError(f"maskc's backward under torch.compile lost its forward's plan: forwards of more than "
-                           f"{_PENDING} other plans ran since; run the backward sooner after its forward")
+        raise MaskcError(f"maskc's backward under torch.compile needs its forward's plan, held for the latest "
+                         f"{_PENDING} forwards' backwards, and token {token}'s was dropped: {_PENDING} other "
+                         f"forwards ran since, or maskc.clear_caches() ran; run the backward sooner after its "
+                         f"forward, and clear the caches between steps, not within one")
     B = q.shape[0]
     shared = k.shape[0] != B
     batched = (k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)) if shared else (k, v)
@@ -275,7 +297,7 @@ def _grad(ctx, d_out, d_lse, _):
     refuse_second_derivatives()
     q, k, v, out, lse, token = ctx.saved_tensors
     dq, dk, dv = torch.ops.maskc.attention_backward(q, k, v, out, lse, token, d_out, d_lse)
-    return dq, dk, dv, None, None, None, None, None, [None] * ctx.n_tiles, None
+    return dq, dk, dv, None, None, None, None, None, [None] * ctx.n_tiles, None, None
 
 
 _forward.register_autograd(_grad, setup_context=_setup_context)

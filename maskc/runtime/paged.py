@@ -22,7 +22,7 @@ import torch
 import triton
 
 from maskc.errors import MaskcError
-from maskc.runtime import loader, plan
+from maskc.runtime import loader, plan, state
 from maskc.runtime.kernel import _Interpreted
 
 _KERNELS_FILE = Path(__file__).with_name("_cache_kernels.py")
@@ -37,6 +37,15 @@ _MAX_BATCH = 65535
 _TILE = 8192
 # Page ids free() moves per step of its loop over a slot's pages.
 _FREE_BLOCK = 1024
+
+
+def _forget_kernels() -> None:
+    with _LOCK:
+        _MODULES.clear()
+
+
+state.register(__name__, "_MODULES", "PagedKVCache's loaded append kernels", "two entries: compiled and interpreted",
+               size=lambda: len(_MODULES), clear=_forget_kernels, maxsize=2)
 
 
 class CacheFullError(MaskcError, RuntimeError):

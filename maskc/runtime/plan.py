@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import torch
 import triton
 
-from maskc._slots import Slots
 from maskc._version import __version__
 from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.build import block_map_of_trace as build_block_map
@@ -20,7 +19,7 @@ from maskc.analysis.intervals import indices_nonnegative
 from maskc.codegen.printer import tensor_args
 from maskc.codegen.render import codegen_hash
 from maskc.codegen.source import merge
-from maskc.runtime import autotune, tiles
+from maskc.runtime import autotune, state, tiles
 from maskc.runtime.dtypes import DTYPES
 from maskc.runtime.kernel import CompiledKernel, kernel_for
 from maskc.settings import autotune as autotune_enabled
@@ -54,8 +53,10 @@ def _map_bytes(bm: BlockMap) -> dict:
 # The two caches of the runtime's plans (the kernels' is maskc/runtime/cache.py's KERNELS),
 # bounded by the bytes they keep alive as well as by count: each entry holds its captured
 # tensors, and a loop that captures a new dense mask per step would keep the last 64.
-PLANS = Slots(_SLOTS, _problem_bytes, plan_cache_max_size)
-BLOCK_MAPS = Slots(_SLOTS, _map_bytes, plan_cache_max_size)
+PLANS = state.lru(__name__, "PLANS", "the plan of each call signature (a Problem: tiles, kernels, block map, "
+                  "captured tensors)", _SLOTS, _problem_bytes, plan_cache_max_size)
+BLOCK_MAPS = state.lru(__name__, "BLOCK_MAPS", "the block map of each mask, lengths and tiles", _SLOTS, _map_bytes,
+                       plan_cache_max_size)
 
 
 @dataclass(eq=False)
@@ -87,8 +88,7 @@ class Problem:
     # held so that the pointers stay theirs: the backward refuses tensors changed since (check_unchanged)
     stamps: tuple
     held: tuple
-    # LaunchPlans by kernel and variant, built on first use; "gluon faster", runtime/hopper.py's choice;
-    # and (kind, "compiling"): a Gluon plan and its background compile (runtime/launch.py's _launch_gluon)
+    # LaunchPlans by kernel and variant, built on first use; "gluon faster", runtime/hopper.py's choice
     launches: dict = field(default_factory=dict)
 
     @property
@@ -152,7 +152,8 @@ def problem_of(q, k, v, mask, score, scale, traces, *, block_map: BlockMap | Non
     # (a mod's captured tensors can need more shared memory than the tiles were chosen for: the
     # launch retries with fewer stages, runtime/launch.py's LaunchPlan._fitting)
     chosen = tiles.choose(D, q.device.type, q.element_size(), forward=forward,
-                          block_map_size=block_map.block_size if block_map is not None else None)
+                          block_map_size=block_map.block_size if block_map is not None else None,
+                          reads_exactly=block_map.coarsens_exactly if block_map is not None else None)
     mask_expr, score_expr, tensors, params = merge(m, s)
     negative = not indices_nonnegative((mask_expr, score_expr), tensors, {p.symbol: p.value for p in params},
                                        {S.B: B, S.H: Hq, S.Q_IDX: Lq, S.KV_IDX: Lkv})
@@ -421,6 +422,6 @@ def _values(traced) -> str:
     return ", ".join(f"{p.origin}={p.value}" for p in traced.params)
 
 
-__all__ = ["BLOCK_MAPS", "PLANS", "Problem", "Slots", "cached_block_map", "captured_args", "captured_need_grad",
+__all__ = ["BLOCK_MAPS", "PLANS", "Problem", "cached_block_map", "captured_args", "captured_need_grad",
            "check_block_map", "check_captured", "check_head_dims", "check_tensors", "check_unchanged", "given",
            "held_bytes", "index_argument", "mask_of_call", "planned", "problem_of", "stamps_of", "traces_of"]

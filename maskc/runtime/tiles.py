@@ -8,6 +8,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from maskc.runtime import state
+
 MIN_TILE, MAX_TILE = 16, 256
 
 
@@ -29,6 +31,9 @@ class BackwardConfig(NamedTuple):
 
 
 _overrides: dict = {}
+state.register(__name__, "_overrides", "the tiles, splits and descriptor switch forced inside use_config blocks",
+               "one entry per knob (fwd, bwd, descriptors, dec, splits); not cleared: each block restores its own",
+               size=lambda: len(_overrides), clear=None, maxsize=5)
 
 
 @contextlib.contextmanager
@@ -162,18 +167,32 @@ class Tiles:
 
 
 def choose(head_dim: int, device_type: str, element_size: int, *, block_map_size=None,
-           forward: TileConfig | None = None) -> Tiles:
+           forward: TileConfig | None = None, reads_exactly=None) -> Tiles:
     """The tiles of a problem: `forward` (an autotuned choice) or the default for the head dim,
     the backward's, and the block map's granularity: the caller's map's (`block_map_size`),
     else the forward kernel's own tiles, which skip the most (the backward's larger tiles read
-    a coarsened copy)."""
+    a coarsened copy). `reads_exactly(block_m, block_n)`: whether kernel tiles of that size
+    read the caller's map as its tiles say (BlockMap.coarsens_exactly); a kernel whose tiles
+    would not gets tiles no larger than the map's."""
     forward = forward or forward_config(head_dim, device_type)
     backward = backward_config(head_dim, device_type, element_size)
     for config in (forward, *backward):
         check_block_size((config.block_m, config.block_n), "kernel tile")
     sparse = (forward.block_m, forward.block_n) if block_map_size is None else check_block_size(
         block_map_size, "block_map tile")
+    if reads_exactly is not None:
+        forward = _capped(forward, sparse, reads_exactly)
+        backward = BackwardConfig(*(_capped(config, sparse, reads_exactly) for config in backward))
     return Tiles(forward, backward, sparse)
+
+
+def _capped(config: TileConfig, sparse: tuple[int, int], reads_exactly) -> TileConfig:
+    """`config`, or the same with its tiles cut to the map's `sparse` ones where its own would not
+    read the map exactly (`reads_exactly`): smaller tiles run slower, and only a map that needs
+    them gets them (a hand-made one whose left-out or full tiles disagree with its mask_mod)."""
+    if reads_exactly(config.block_m, config.block_n):
+        return config
+    return config._replace(block_m=min(config.block_m, sparse[0]), block_n=min(config.block_n, sparse[1]))
 
 
 def check_block_size(block_size, what: str = "block_size") -> tuple[int, int]:

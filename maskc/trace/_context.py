@@ -28,6 +28,9 @@ class TraceState:
     # symbol -> origin ("window", "mods[1].prefix") of each captured number made a parameter;
     # shared with the tracer, which adds them as it rebinds captures
     param_origins: dict = field(default_factory=dict)
+    # (fetch, source, expected) reads the trace's structure depends on, re-checked on each use;
+    # shared with the tracer's own guards
+    guards: list = field(default_factory=list)
 
 
 class Structural(BaseException):
@@ -87,12 +90,19 @@ def _user_location(state: TraceState) -> tuple[str, int]:
     return state.filename, state.lineno
 
 
-def fail(what: str, fix: str):
-    """Raise MaskTraceError: '<kind> '<name>' <what> at <file>:<line>; <fix>'."""
+def location() -> tuple[str, int] | None:
+    """The user's file and line that the trace in progress is at, for an error raised later."""
+    state = current()
+    return None if state is None else _user_location(state)
+
+
+def fail(what: str, fix: str, at: tuple[str, int] | None = None):
+    """Raise MaskTraceError: '<kind> '<name>' <what> at <file>:<line>; <fix>'; the line is the
+    user's line running now, or `at` (from location())."""
     state = current()
     if state is None:
         raise MaskTraceError(f"a traced value {what} outside of tracing; {fix}")
-    filename, lineno = _user_location(state)
+    filename, lineno = at or _user_location(state)
     raise MaskTraceError(
         f"{state.kind} '{state.name}' {what} at {os.path.basename(filename)}:{lineno} "
         f"({filename}); {fix}"

@@ -8,13 +8,15 @@ a traced value, or on a captured tensor given a traced argument), and the Tensor
 (`bias * score` arrives as Tensor.mul(bias, score)). Indexing a captured tensor is one of
 them (proxy.index_tensor).
 
-Also here, what a trace does at each new value, among it checking torch.autograd.Function:
-its forward traces like any code, but maskc differentiates the traced expression, so a custom
-backward that is not the derivative of the forward would silently change the gradients.
+Also here, what a trace does at each new value, and torch.autograd.Function: its forward traces
+like any code, and in a score mod its own backward, traced too, gives the gradient
+(symbols.CustomBackward), as torch's autograd uses that backward whether or not it is the
+forward's derivative.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import sys
 
@@ -27,7 +29,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from maskc.trace import _context, dag
 from maskc.trace import proxy as P
 from maskc.trace.canonical import conjunction, disjunction, negation, parity, piecewise
-from maskc.trace.symbols import SCORE, BFloat16, Float16, Trunc
+from maskc.trace.symbols import SCORE, BFloat16, CustomBackward, Float16, LoadFloat, Trunc
 
 
 # -- operations that only torch functions perform ----------------------------------------------
@@ -397,40 +399,50 @@ class NoValueReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-_APPLY_CODE = torch.autograd.Function.apply.__func__.__code__
-# [trace state, Function.apply frames already checked in it]; traces run one at a time (the tracer's lock)
-_trace: list = [None, []]
+# the trace state whose first value has been seen; traces run one at a time (the tracer's lock)
+_trace: list = [None]
 
 
 @P.on_each_new_value
 def on_new_value() -> None:
-    """Bookkeeping for each new proxy of a trace in progress.
-
-    At a trace's first value, empty sympy's constructor cache (and ours): it holds expressions
+    """At a trace's first value, empty sympy's constructor cache (and ours): it holds expressions
     of earlier traces, and a lookup that meets one equal to its argument compares the two
-    graphs node by node, which for nested torch.where is the whole exponential tree.
-
-    Then check every torch.autograd.Function whose forward is running: it is called from C++,
-    so creating values is the first we see of it.
-    """
+    graphs node by node, which for nested torch.where is the whole exponential tree."""
     state = _context.current()
-    if state is None:
-        return
-    if _trace[0] is not state:
-        _trace[:] = [state, []]
+    if state is not None and _trace[0] is not state:
+        _trace[0] = state
         clear_cache()
         P.integral.cache_clear()
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is _APPLY_CODE and not any(f is frame for f in _trace[1]):
-            _trace[1].append(frame)
-            local = frame.f_locals
-            _check_backward(local["cls"], local["args"], local.get("kwargs") or {})
-        frame = frame.f_back
+
+
+# -- torch.autograd.Function --------------------------------------------------------------------
+_BASE = torch.autograd.Function
+_TORCH_APPLY = _BASE.__dict__["apply"]
+
+
+def _apply(cls, *args, **kwargs):
+    if _context.current() is None or not any(isinstance(a, P.Proxy) for a in (*args, *kwargs.values())):
+        return _TORCH_APPLY.__func__(cls, *args, **kwargs)
+    return apply(cls, args, kwargs)
+
+
+class AutogradFunctions:
+    """Active while a mod body runs: `SomeFunction.apply(...)` given a traced value is maskc's
+    `apply`. torch calls forward from C++ and hands back what it returned, so that maskc would
+    see neither the call nor the backward. Calls without traced values (other threads' among
+    them) reach torch's apply unchanged."""
+
+    def __enter__(self):
+        self.saved = _BASE.__dict__["apply"]  # a trace inside a mod body finds the traced one
+        _BASE.apply = classmethod(_apply)
+        return self
+
+    def __exit__(self, *exc):
+        _BASE.apply = self.saved
 
 
 class _FunctionCtx:
-    """The ctx a Function's forward and backward receive, while maskc checks its backward."""
+    """The ctx a Function's forward and backward receive while maskc traces them."""
 
     def __init__(self, needs_input_grad: tuple):
         self.needs_input_grad = needs_input_grad
@@ -442,39 +454,103 @@ class _FunctionCtx:
     def mark_non_differentiable(self, *values):
         pass
 
+    def mark_dirty(self, *values):
+        pass
+
     def set_materialize_grads(self, value):
         pass
 
 
-def _check_backward(cls, args: tuple, kwargs: dict) -> None:
-    """Refuse `cls` if its backward, traced, is not grad * d(forward)/d(input) for each input
-    that carries the score (no gradient reaches the others)."""
-    base = torch.autograd.Function
-    backward = cls.vjp if cls.vjp is not base.vjp else cls.backward
-    if backward is base.backward:
-        return  # no backward of its own: torch too would have only the forward to go by
-    inputs = {i: sympy.Dummy(f"input{i}", real=True) for i, a in enumerate(args)
-              if isinstance(a, P.Proxy) and SCORE in a.expr.free_symbols}
-    if not inputs:
-        return
-    traced_args = tuple(P.Proxy(inputs[i]) if i in inputs else a for i, a in enumerate(args))
+def apply(cls, args: tuple, kwargs: dict):
+    """`cls.apply(*args, **kwargs)` with traced arguments: its forward, traced. In a score mod,
+    where cls has a backward of its own and the value could have a gradient (it reads the score
+    or a captured float element), the value carries the gradient that backward gives
+    (CustomBackward), as torch's autograd uses it: through each traced float input that reads the
+    score or a captured float element, the backward's grad * slope; through whatever the forward
+    reads by itself, nothing (torch runs forward without recording it)."""
+    backward = cls.vjp if cls.vjp is not _BASE.vjp else cls.backward
+    custom = _context.current().kind == "score_mod" and backward is not _BASE.backward
+    if custom:
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                _context.fail(f"passes a whole captured tensor that requires grad to torch.autograd.Function "
+                              f"'{cls.__name__}'; maskc takes a Function's gradient through its traced inputs",
+                              "index the tensor in the mod and pass the element, like "
+                              f"{cls.__name__}.apply(score, table[h]), or pass table.detach() if no gradient "
+                              f"should reach it")
+    setup = cls.setup_context is not _BASE.setup_context
+    # as torch's apply: arguments given by keyword are inputs in their place, and with
+    # setup_context forward sees its defaults bound
+    bound = inspect.signature(cls.forward).bind(*(() if setup else (None,)), *args, **kwargs)
+    if setup:
+        bound.apply_defaults()
+    args, kwargs = bound.args[0 if setup else 1:], bound.kwargs
+    inputs = [i for i, a in enumerate(args) if isinstance(a, P.Proxy) and _differentiable(a)]
+    if custom and any(isinstance(a, P.Proxy) and _differentiable(a) for a in kwargs.values()):
+        _context.fail(f"passes the score to torch.autograd.Function '{cls.__name__}' as a keyword-only argument, "
+                      f"which its backward gives no gradient", "pass it as a positional argument")
     ctx = _FunctionCtx(tuple(i in inputs for i in range(len(args))))
-    if cls.setup_context is not base.setup_context:
-        out = cls.forward(*traced_args, **kwargs)
-        cls.setup_context(ctx, traced_args, out)
+    if setup:
+        out = cls.forward(*args, **kwargs)
+        cls.setup_context(ctx, args, out)
     else:
-        out = cls.forward(ctx, *traced_args, **kwargs)
-    out = P.number(P.wrap(out))
+        out = cls.forward(ctx, *args, **kwargs)
+    if not custom:
+        return out
+    if isinstance(out, (tuple, list)):
+        if not inputs:
+            return out
+        _context.fail(f"uses torch.autograd.Function '{cls.__name__}', whose forward returns {len(out)} values, on "
+                      f"the score; maskc takes the gradient of a Function of one output",
+                      "return one value from forward (a Function per output)")
+    value = P.wrap(out)
+    # no gradient flows through a boolean or integer output (a literal may be a float's value: x * 0)
+    if value.is_bool or (value.is_int and not value.expr.is_Number) or not (inputs or _differentiable(value)):
+        return out
     grad = sympy.Dummy("grad", real=True)
     grads = backward(ctx, P.Proxy(grad))
-    grads = grads if isinstance(grads, tuple) else (grads,)
-    for i, symbol in inputs.items():
+    grads = grads if isinstance(grads, (tuple, list)) else (grads,)
+    pairs = []
+    for i in inputs:
         given = grads[i] if i < len(grads) else None
         got = sympy.Integer(0) if given is None else P.number(P.wrap(given))
-        want = grad * sympy.diff(out, symbol)
-        if sympy.simplify(got - want) != 0:
-            _context.fail(f"uses torch.autograd.Function '{cls.__name__}' whose backward is not the derivative of "
-                          f"its forward (backward gives {got}, the derivative is {want}); maskc differentiates the "
-                          f"traced forward, so its gradients would differ from torch's",
-                          "drop the Function and write its forward in the mod, or make backward return the true "
-                          "derivative")
+        slope = _slope(got, grad, {})
+        if slope is None:
+            _context.fail(f"uses torch.autograd.Function '{cls.__name__}' whose backward is not linear in the "
+                          f"gradient (it gives {got} for input {i}); the kernel computes a score's gradient as "
+                          f"the incoming gradient times a slope",
+                          "make backward return grad times a value that does not depend on grad, like grad * 3, "
+                          "grad * torch.sigmoid(x) or torch.where(c, grad, 0)")
+        if slope != 0:
+            pairs += [args[i].expr, slope]
+    return P.Proxy(CustomBackward(value.expr, *pairs))
+
+
+def _differentiable(p: P.Proxy) -> bool:
+    """Whether a gradient can flow through `p`: a float reading the score or a captured float element."""
+    return not (p.is_bool or p.is_int) and any(n == SCORE or isinstance(n, LoadFloat) for n in dag.postorder(p.expr))
+
+
+def _slope(e, grad, done: dict):
+    """s such that e = grad * s with s free of grad, read from e's structure (sums, products,
+    torch.where on conditions free of grad); None where e is not of that form."""
+    if e in done:
+        return done[e]
+    if e == grad:
+        s = sympy.Integer(1)
+    elif grad not in dag.free_symbols(e):
+        s = sympy.Integer(0) if e == 0 else None
+    elif isinstance(e, sympy.Add):
+        terms = [_slope(a, grad, done) for a in e.args]
+        s = None if any(t is None for t in terms) else sympy.Add(*terms)
+    elif isinstance(e, sympy.Mul):
+        reading = [f for f in e.args if grad in dag.free_symbols(f)]
+        s = _slope(reading[0], grad, done) if len(reading) == 1 else None  # grad * grad is not linear
+        s = None if s is None else sympy.Mul(s, *[f for f in e.args if f is not reading[0]])
+    elif isinstance(e, sympy.Piecewise) and not any(grad in dag.free_symbols(p.cond) for p in e.args):
+        values = [_slope(p.expr, grad, done) for p in e.args]
+        s = None if any(v is None for v in values) else piecewise(*[(v, p.cond) for v, p in zip(values, e.args)])
+    else:
+        s = None
+    done[e] = s
+    return s

@@ -90,6 +90,7 @@ def identity_cache(maxsize: int):
             result = fn(exprs, *rest)
             entries.put(key, ((exprs, rest), result))
             return result
+        cached.entries = entries  # for maskc.cache_info() and maskc.clear_caches() (runtime/state.py)
         return cached
     return wrap
 

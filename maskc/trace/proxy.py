@@ -2,7 +2,8 @@
 
 Every operator returns a new Proxy around a sympy expression, with torch's semantics for
 the kind of value it holds: a boolean, an integer or a float, read from the expression (see
-`Proxy.dtype`). Indexing a captured tensor with proxies is a load. Torch functions and tensor
+`Proxy.dtype`). Indexing a captured tensor with proxies is a load; with fewer indices than it
+has dimensions, a small row of loads (maskc.trace.vector). Torch functions and tensor
 methods reach `call` and are looked up by identity in the handlers that maskc.trace._functions
 registers. Python control flow on a proxy (`if`, `and`, `or`, `not`, `bool()`, `int()`,
 `range()`) cannot be recorded, so it raises MaskTraceError pointing at the user's line.
@@ -254,6 +255,51 @@ class Proxy:
         _context.fail("indexes a traced value", "traced values are scalars: index captured tensors with them instead")
 
 
+class Rows:
+    """A traced row of a captured tensor, `means[q_idx]`, indexed with fewer indices than the
+    tensor has dimensions. Its class, maskc.trace.vector's Vector (a row of scalar proxies),
+    builds on this module and installs itself as `Rows.kind`; maskc/trace/__init__.py imports it
+    before any trace. The operators here defer to it and hand it the calls on rows."""
+
+    __slots__ = ()
+    kind: type
+
+    @classmethod
+    def view(cls, tensor: torch.Tensor, index: tuple) -> "Rows":
+        """`tensor[index]`, `index` a traced value or literal for each of its first dimensions."""
+        raise NotImplementedError
+
+    @staticmethod
+    def call(func, *args, **kwargs):
+        """`func(*args, **kwargs)` where an argument is a row."""
+        raise NotImplementedError
+
+    def refuse_as_value(self):
+        """Fail: a row where one value is needed."""
+        raise NotImplementedError
+
+
+def _holds_rows(args, kwargs) -> bool:
+    """Whether a row is among the arguments, or in a tuple of them (`table[b, row]`)."""
+    return any(isinstance(a, Rows) or isinstance(a, tuple) and any(isinstance(i, Rows) for i in a)
+               for a in (*args, *kwargs.values()))
+
+
+def _defers_to_vectors(op):
+    # `q_idx >= row`: Python then asks the row's reflected operator, elementwise (maskc.trace.vector)
+    def operator(self, other):
+        return NotImplemented if isinstance(other, Rows) else op(self, other)
+
+    return functools.update_wrapper(operator, op)
+
+
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift"):
+    for _dunder in (f"__{_name}__", f"__r{_name}__"):
+        setattr(Proxy, _dunder, _defers_to_vectors(getattr(Proxy, _dunder)))
+for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
+    setattr(Proxy, f"__{_name}__", _defers_to_vectors(getattr(Proxy, f"__{_name}__")))
+
+
 _INTEGER_NODES = (sympy.Integer, sympy.floor, sympy.ceiling, Trunc, BitAnd, BitOr, BitXor, LeftShift, RightShift,
                   LoadInt, LoadBool)
 _INTEGER_OF_INTEGERS = (sympy.Add, sympy.Mul, sympy.Min, sympy.Max, sympy.Abs, sympy.Mod, sympy.sign)
@@ -334,8 +380,8 @@ def wrap(value) -> Proxy:
         return Proxy(load(value, ()))
     if isinstance(value, sympy.Basic):
         return Proxy(value)
-    if isinstance(value, TensorView):
-        value.refuse()
+    if isinstance(value, Rows):
+        value.refuse_as_value()
     _context.fail(f"combines a traced value with an object of type {type(value).__name__}",
                   "use Python numbers, captured tensors indexed by traced values, or other traced values")
 
@@ -528,45 +574,6 @@ def shift(a, b, op: str) -> Proxy:
 
 
 # -- captured tensors --------------------------------------------------------------------------
-class TensorView:
-    """A captured tensor indexed in fewer dimensions than it has, like `bias[b]`: its next
-    indexing (`[h][q_idx]`) completes the load; anything else is refused."""
-
-    __slots__ = ("tensor", "index")
-
-    def __init__(self, tensor: torch.Tensor, index: tuple):
-        self.tensor, self.index = tensor, index
-
-    def __getitem__(self, index):
-        return index_tensor(self.tensor, self.index + (index if isinstance(index, tuple) else (index,)))
-
-    def refuse(self, *args, **kwargs):
-        n, dims = len(self.index), self.tensor.dim()
-        _context.fail(f"indexes a captured tensor of {dims} dimensions with {n} indices ({dims - n} missing), "
-                      f"which leaves a vector: maskc traces mods that compute one value per (b, h, q_idx, "
-                      f"kv_idx)", "give one index per dimension, like bias[b][h][q_idx] or bias[b, h, q_idx]; "
-                      "for a reduction, dot product or top-k over a row, compute it outside the mod and "
-                      "capture the result")
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        self.refuse()
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        next(a for a in args if isinstance(a, TensorView)).refuse()
-
-
-# Every operator of a partial view is refused: `bias[b] == 0` must not be Python's identity test.
-for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift"):
-    setattr(TensorView, f"__{_name}__", TensorView.refuse)
-    setattr(TensorView, f"__r{_name}__", TensorView.refuse)
-for _name in ("lt", "le", "gt", "ge", "eq", "ne", "neg", "pos", "abs", "invert", "bool", "index", "int", "float",
-              "floor", "ceil", "trunc", "round", "iter", "len", "divmod"):
-    setattr(TensorView, f"__{_name}__", TensorView.refuse)
-
-
 def load(tensor: torch.Tensor, index: tuple):
     slot = _context.tensor_slot(tensor)
     if tensor.dtype == torch.bool:
@@ -579,7 +586,8 @@ def load(tensor: torch.Tensor, index: tuple):
 
 
 def index_tensor(tensor: torch.Tensor, index: tuple):
-    """`tensor[index]` for a captured tensor: a load once every dimension has an index."""
+    """`tensor[index]` for a captured tensor: a load once every dimension has an index, else a
+    Vector of the rest."""
     exprs = []
     for dim, i in enumerate(index):
         if isinstance(i, (slice, type(Ellipsis))) or i is None:
@@ -597,7 +605,7 @@ def index_tensor(tensor: torch.Tensor, index: tuple):
         _context.fail(f"indexes a captured tensor of {tensor.dim()} dimensions with {len(exprs)} indices",
                       "give one index per dimension, like table[h, q_idx] for a 2-d tensor")
     if len(exprs) < tensor.dim():
-        return TensorView(tensor, tuple(exprs))
+        return Rows.kind.view(tensor, tuple(exprs))
     return Proxy(load(tensor, tuple(exprs)))
 
 
@@ -628,6 +636,8 @@ UNSUPPORTED_FIX = ("use + - * / // % comparisons & | ~ << >> torch.where/minimum
 
 def call(func, *args, **kwargs):
     """`func(*args, **kwargs)` on traced values."""
+    if _holds_rows(args, kwargs):
+        return Rows.kind.call(func, *args, **kwargs)
     handler = _HANDLERS.get(func)
     if handler is None:
         _context.fail(f"calls {describe(func)}, which maskc cannot trace", UNSUPPORTED_FIX)
@@ -656,3 +666,4 @@ def describe(func) -> str:
     qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     module = getattr(func, "__module__", None)
     return f"{module}.{qualname}" if module else qualname
+

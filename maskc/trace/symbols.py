@@ -167,3 +167,31 @@ class BFloat16(_Rounded):
 
 
 ROUNDED = (Float16, BFloat16)
+
+
+# -- a torch.autograd.Function's value, with the gradient its own backward gives ----------------
+class CustomBackward(sympy.Function):
+    """`CustomBackward(value, x1, s1, x2, s2, ...)`: what a torch.autograd.Function's forward
+    computed (`value`) from its inputs x1, x2, ..., whose gradient is the one the Function's
+    backward gives, d/dx_i = s_i (backward(ctx, grad) returned grad * s_i), whatever the
+    derivative of `value` is: torch runs the backward it is given (a straight-through estimator
+    is not its forward's derivative). It evaluates, prints and ranges as `value`; only
+    differentiation reads the pairs. They are arguments, so that they are in the signature: the
+    same forward with another backward is another kernel."""
+
+    @property
+    def value(self):
+        return self.args[0]
+
+    @property
+    def pairs(self) -> tuple:
+        """(x_i, s_i) for each input that receives a gradient."""
+        return tuple(zip(self.args[1::2], self.args[2::2]))
+
+    def _eval_is_real(self):
+        return self.args[0].is_real
+
+    def fdiff(self, argindex=1):
+        # the chain rule sums fdiff(i) * d(argument i): through each x_i its slope s_i, which is
+        # the argument after it; nothing through the value or the slopes
+        return self.args[argindex] if argindex % 2 == 0 else sympy.Integer(0)

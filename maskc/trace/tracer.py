@@ -21,6 +21,7 @@ import logging
 import math
 import operator
 import os
+import random
 import sys
 import threading
 import time
@@ -204,6 +205,8 @@ class _Rebinder:
             self.params.append((symbol, value, origin))
             self.origins[symbol] = origin
             return Proxy(symbol)
+        if _draws_random(value):
+            return _NoDraws(value, origin)
         done = self._done.get(id(value))
         if done is not None:
             return done[1]
@@ -352,6 +355,49 @@ class _Instance:
         if self._maskc_call is None:  # the self of a bound method whose class has no Python __call__
             return self._maskc_obj(*args, **kwargs)
         return self._maskc_call(self, *args, **kwargs)
+
+
+# Python's and numpy's random number generators (torch's own draws are _functions.NoRandom's)
+_GENERATORS = (random.Random, numpy.random.RandomState, numpy.random.Generator, numpy.random.BitGenerator)
+
+
+def _draws_random(value) -> bool:
+    """Whether `value` draws random numbers outside torch, or holds what does: the random
+    module, numpy and numpy.random, a generator of Python's or numpy's, its class, one of its
+    methods (random.randint, np.random.rand), or a function of numpy.random (default_rng)."""
+    if isinstance(value, types.ModuleType):
+        return value is numpy or value.__name__ in ("random", "numpy.random")
+    if isinstance(value, type):
+        return issubclass(value, _GENERATORS)
+    if isinstance(value, (types.MethodType, types.BuiltinMethodType)) and isinstance(value.__self__, _GENERATORS):
+        return True
+    return isinstance(value, _GENERATORS) or (
+        callable(value) and str(getattr(value, "__module__", None)).startswith("numpy.random"))
+
+
+class _NoDraws:
+    """Stands in for what `_draws_random` finds in a mod's globals and captures: calling it, or
+    a function read from it (np.random.randint, rng.integers), refuses the mod, whose body runs
+    once, when it is traced; everything else passes through (np.pi, np.where, np.int64)."""
+
+    __slots__ = ("_maskc_source", "_maskc_origin")
+
+    def __init__(self, source, origin: str):
+        self._maskc_source, self._maskc_origin = source, origin
+
+    def __getattr__(self, name):
+        found = getattr(self._maskc_source, name)
+        if _draws_random(found) or (callable(found) and self._maskc_source is not numpy):
+            return _NoDraws(found, _join(self._maskc_origin, name))
+        return found
+
+    def __call__(self, *args, **kwargs):
+        if isinstance(self._maskc_source, types.ModuleType):
+            return self._maskc_source(*args, **kwargs)  # (not callable: Python's own TypeError)
+        _context.fail(f"calls {self._maskc_origin}, which draws random numbers: the mod is traced once, so one "
+                      f"draw would serve every (b, h, q_idx, kv_idx) and every call",
+                      "draw the random values outside the mod and capture the tensor, like "
+                      "noise = torch.rand(q_len, kv_len) and noise[q_idx, kv_idx] in the mod")
 
 
 def _join(origin: str, name: str) -> str:
@@ -566,7 +612,8 @@ def trace(fn, kind: str) -> Traced:
 def _trace_once(target, kind, name, filename, lineno, structural) -> Traced:
     with _LOCK:
         rebinder = _Rebinder(kind, structural)
-        state = _context.TraceState(kind, name, filename, lineno, rebinder.codes, param_origins=rebinder.origins)
+        state = _context.TraceState(kind, name, filename, lineno, rebinder.codes, param_origins=rebinder.origins,
+                                    guards=rebinder.guards)
         _context.begin(state)
         try:
             rebound = rebinder.value(target, "")
@@ -574,7 +621,7 @@ def _trace_once(target, kind, name, filename, lineno, structural) -> Traced:
             if kind == "score_mod":
                 args.insert(0, Proxy(SCORE))
             try:
-                with _functions.NoRandom(), _functions.NoValueReads():
+                with _functions.NoRandom(), _functions.NoValueReads(), _functions.AutogradFunctions():
                     result = wrap(rebound(*args))
             except TypeError as error:
                 # sympy refuses to compare the nan that `x % inf` or `inf - inf` made
