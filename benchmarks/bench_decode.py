@@ -27,7 +27,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).parent))
 import maskc  # noqa: E402
-from maskc.runtime import decode  # noqa: E402
+from maskc.inference import decode  # noqa: E402
 
 # one compiled FlexAttention per query length and mask: more than Dynamo's default 8 recompiles
 torch._dynamo.config.recompile_limit = 64

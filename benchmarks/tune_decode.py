@@ -12,7 +12,7 @@ import torch
 import triton
 
 import maskc
-from maskc.runtime import decode
+from maskc.inference import decode
 from maskc.runtime.tiles import TileConfig, use_config
 
 CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 3), (32, 4, 4)]

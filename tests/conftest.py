@@ -46,7 +46,8 @@ def _run_kernel_cache(tmp_path_factory):
 def fresh_caches():
     """maskc's in-process caches emptied before and after the test: kernels, plans, block maps
     and decode plans, for tests that count hits or misses or load files again."""
-    from maskc.runtime import decode, plan
+    from maskc.inference import decode
+    from maskc.runtime import plan
     from maskc.runtime.cache import KERNELS
 
     def clear():

@@ -74,7 +74,7 @@ def test_compiled_attention_tunes_once_and_uses_the_choice(_cache, monkeypatch):
     monkeypatch.setattr(launch, "seconds", lambda q, k, v, p: timed.append(p.tiles.forward.block_m) or seconds(q, k, v, p))
     mask = maskc.mask_mod(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)  # a new object: no plan cached for it
     gen = torch.Generator().manual_seed(0)
-    # 80 query rows: more than the decoding kernel takes (maskc/runtime/decode.py)
+    # 80 query rows: more than the decoding kernel takes (maskc/inference/decode.py)
     q, k, v = (torch.randn(1, 2, 80, 32, generator=gen) for _ in range(3))
     out = maskc.compiled_attention(q, k, v, mask_mod=mask)
     assert sorted(set(timed)) == [16, 32] and len(timed) == 6  # three rounds of two candidates

@@ -12,7 +12,8 @@ import torch
 import maskc
 from _inputs import qkv, randn
 from maskc._slots import Slots
-from maskc.runtime import decode, plan
+from maskc.inference import decode
+from maskc.runtime import plan
 from maskc.testing import assert_close_to_reference, attention_reference
 
 L = 128  # four 32-wide CPU tiles a side: a document mask has FULL, PARTIAL and EMPTY ones

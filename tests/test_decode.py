@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import maskc
-from maskc.runtime import decode
+from maskc.inference import decode
 from maskc.runtime.tiles import use_config
 from maskc.testing import assert_close_to_reference, attention_reference, decode_reference
 from maskc.testing.strategies import masks, score_mods

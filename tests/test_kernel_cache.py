@@ -496,7 +496,8 @@ def test_a_loaded_kernel_needs_its_file_no_more(cache_dir, fresh_caches, change)
 _SHARER = """
 import sys, torch, maskc
 from maskc import masks
-from maskc.runtime import KERNELS, decode, plan
+from maskc.inference import decode
+from maskc.runtime import KERNELS, plan
 seed = int(sys.argv[1])
 mods = [masks.causal, masks.sliding_window(4), masks.prefix_lm(8), masks.chunked_causal(16)]
 g = torch.Generator().manual_seed(seed)

@@ -13,8 +13,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import maskc
-from maskc.runtime import paged
-from maskc.runtime.paged import CacheFullError
+from maskc.inference import paged
+from maskc.inference.paged import CacheFullError
 
 F32 = dict(dtype=torch.float32, device="cpu")
 # Elements a program copies (paged._TILE): small tiles split even T=3 over several programs, so

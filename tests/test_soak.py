@@ -14,7 +14,8 @@ import torch
 import maskc
 from _inputs import qkv
 from maskc.analysis.blockmap import _BY_SERIAL
-from maskc.runtime import decode, ops, plan
+from maskc.inference import decode
+from maskc.runtime import ops, plan
 from maskc.runtime.cache import KERNELS
 from maskc.trace.mods import _BY_KEY
 

@@ -400,7 +400,7 @@ def test_a_short_query_runs_the_same_kernel_eagerly_and_compiled(lens, monkeypat
     compiled it must take the same one: one call, one kernel choice, bitwise the same answer.
     (On the interpreter the prefill kernel happens to agree bitwise at these sizes, so the test
     also records which kernel ran.)"""
-    from maskc.runtime import decode
+    from maskc.inference import decode
     ran = []
     contiguous = decode.contiguous
     monkeypatch.setattr(decode, "contiguous", lambda *args: ran.append("decode") or contiguous(*args))

@@ -2,13 +2,13 @@
 
 api (public functions) → autograd → launch (LaunchPlans) → plan (validation, tiles, the call's
 block map) → kernel (CompiledKernel) → cache/loader; tiles owns tile sizes, settings
-(maskc/settings.py) every environment knob. paged holds PagedKVCache, which appends to a paged
-KV cache with its own kernels (_cache_kernels.py).
+(maskc/settings.py) every environment knob. Decoding and the paged KV cache ride on it in
+maskc/inference/; PagedKVCache is exported here too.
 """
 from maskc.runtime.api import compile, compiled_attention, invalidate, paged_attention
 from maskc.runtime.cache import KERNELS, CacheInfo
 from maskc.runtime.kernel import CompiledKernel
-from maskc.runtime.paged import PagedKVCache
+from maskc.inference.paged import PagedKVCache
 from maskc.settings import cache_dir
 
 

@@ -5,11 +5,12 @@ import torch
 
 from maskc._graph import outside_graph
 from maskc.analysis.blockmap import BlockMap
-from maskc.runtime import decode, launch, ops, plan
+from maskc.inference import decode
+from maskc.runtime import launch, ops, plan
 from maskc.runtime.autograd import AttentionFunction, NoPairs
 from maskc.runtime.dtypes import DTYPES
 from maskc.runtime.kernel import CompiledKernel, kernel_for
-from maskc.runtime.paged import PagedKVCache
+from maskc.inference.paged import PagedKVCache
 from maskc.runtime.tiles import check_block_size
 from maskc.trace.mods import MaskMod, ScoreMod, as_mask_mod, as_score_mod
 

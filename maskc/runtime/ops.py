@@ -34,7 +34,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from maskc.analysis.blockmap import BlockMap
 from maskc.errors import MaskcError
-from maskc.runtime import decode as decoding
+from maskc.inference import decode as decoding
 from maskc.runtime import launch, plan, state
 from maskc.runtime.autograd import refuse_second_derivatives
 from maskc.runtime.tiles import kernel_tiles_of

@@ -156,7 +156,7 @@ _declared("maskc.codegen.source", "_renumbered", "expressions with their capture
 _declared("maskc.runtime.descriptors", "_has_copy_engine", "whether a device has the copy engine (TMA)", _DEVICES)
 _declared("maskc.runtime.hopper", "_gluon", "Gluon's descriptor types, where this Triton has them", "one entry")
 _declared("maskc.runtime.hopper", "_is_hopper", "whether a device is a Hopper GPU", _DEVICES)
-_declared("maskc.runtime.decode", "_multiprocessors", "each device's multiprocessor count", _DEVICES)
+_declared("maskc.inference.decode", "_multiprocessors", "each device's multiprocessor count", _DEVICES)
 _declared("maskc.integrations.transformers", "_causal_from", "transformers' causal masks by offset and window",
           maxsize=64)
 _declared("maskc.integrations.transformers", "_softcap", "transformers' softcap score mods by cap", maxsize=16)

@@ -30,7 +30,8 @@ import torch
 
 import maskc
 from fuzz_grammar import GeneratedMod, random_mask_mod, random_score_mod
-from maskc.runtime import decode, hopper
+from maskc.inference import decode
+from maskc.runtime import hopper
 from maskc.runtime import plan as plans
 from maskc.testing import assert_close_to_reference, assert_gradient_close_to_reference, attention_reference
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import maskc
-from maskc.runtime.paged import CacheFullError
+from maskc.inference.paged import CacheFullError
 
 from ._common import lane_sample
 

@@ -1,4 +1,4 @@
-"""The Triton kernels of maskc.PagedKVCache (maskc/runtime/paged.py).
+"""The Triton kernels of maskc.PagedKVCache (maskc/inference/paged.py).
 
 Loaded by paged.py through loader.load, compiled for CUDA or interpreted for CPU tensors;
 never imported as a module of maskc.

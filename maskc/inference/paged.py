@@ -7,7 +7,7 @@ The layout, which the paged attention kernel reads:
     lens int32 [max_seqs]: the tokens each slot holds
 
 The free pages are a stack on the device. append() and free() each launch one Triton kernel
-(maskc/runtime/_cache_kernels.py) that finds and returns pages itself, so neither waits for the
+(maskc/inference/_cache_kernels.py) that finds and returns pages itself, so neither waits for the
 device and both can be captured in a CUDA graph. A call the kernel refuses (out of pages, a
 slot over its capacity, a bad slot) changes nothing and is recorded on the device; check()
 reads the record and raises.
@@ -53,7 +53,7 @@ class CacheFullError(MaskcError, RuntimeError):
 
 
 # A slot's default capacity in tokens. Attention over the cache builds its mask's block map over
-# capacity × capacity positions once per mask (maskc/runtime/decode.py), so a capacity of a
+# capacity × capacity positions once per mask (maskc/inference/decode.py), so a capacity of a
 # whole large pool by default would cost seconds and gigabytes on the first call; pass
 # max_pages_per_seq for longer sequences.
 DEFAULT_CAPACITY = 131072
