@@ -14,7 +14,6 @@ share of the row): dQ stays home, and the dK/dV of rank r - s's keys go back to 
 """
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
@@ -78,7 +77,7 @@ def attention(q, k, v, plan: ContextParallelPlan, *, score_mod=None, scale=None,
         plan.check_current(q.shape[0], q.shape[1])
         score = as_score_mod(score_mod)
         traced = score.traced if score is not None else None  # re-traced where its guards fail, which may refuse
-        scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+        scale = planning.softmax_scale(scale, q.shape[3])
     except (MaskcError, ValueError, TypeError) as error:
         # the other ranks wait in this call's exchange: answer them, so that they raise too
         raise agree.refused(plan, error)

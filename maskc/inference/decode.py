@@ -42,7 +42,7 @@ PROGRAMS_PER_SM = 2
 # What a split costs beside its tiles, in tiles: its prologue, its partial result's write and
 # the combine's read of it.
 SPLIT_COST_TILES = 2
-_LOG2E = 1.4426950408889634
+
 
 def _decode_bytes(found: "Decode") -> dict:
     return plan.held_bytes((*found.captured.values(), *found.tables.values()), found.held, (found.block_map,))
@@ -139,7 +139,7 @@ def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: B
     rows = B * Hkv * -(-Lq * (Hq // Hkv) // config.block_m)
     splits = tiles.decode_splits() or choose_splits(rows, -(-widest // config.block_n), q.device)
     config = tiles.decode_config(D, q.device.type, Lq * (Hq // Hkv), split=splits > 1)
-    found = Decode(m, s, 1.0 / math.sqrt(D) if scale is None else float(scale), B, Hq, Hkv, Lq, kv_cap, D, Dv,
+    found = Decode(m, s, plan.softmax_scale(scale, D), B, Hq, Hkv, Lq, kv_cap, D, Dv,
                    q.dtype, config, block_map, kernel_for("dec", m, s, q.dtype, q.device), plan.captured_args(m, s, q.dtype, q.device)[0], tables,
                    splits, tuple(x for t in traces if t is not None for x in t.storages()))
     DECODES.put(key, found)
@@ -320,8 +320,7 @@ def _plans(problem: Decode, lens: bool, paged: bool, slots: bool, page_size: int
         if wanted_here:
             per_call.append(name)
             del fixed[name]
-    # without a score_mod the kernel's exponent is in base 2: log2(e) folds into the scale
-    scale = problem.scale if problem.score is not None else problem.scale * _LOG2E
+    scale = plan.kernel_scale(problem.scale, problem.score is not None)
     acc = triton_accumulator(problem.dtype)
     fixed.update(problem.tables, **problem.captured, num_kv_heads=problem.Hkv, q_len=problem.Lq,
                  kv_cap=problem.kv_cap, qk_scale=scale, GROUP=problem.group, HEAD_DIM=problem.D,

@@ -30,11 +30,10 @@ from maskc.runtime import hopper
 from maskc.runtime.descriptors import DESCRIPTOR_MIN_PAIRS, descriptors
 from maskc.runtime.dtypes import accumulator, dot_precision, interpreter_safe, triton_accumulator
 from maskc.runtime.kernel import CompiledKernel
-from maskc.runtime.plan import Problem, check_unchanged
+from maskc.runtime.plan import Problem, check_unchanged, kernel_scale
 from maskc.runtime.tiles import TileConfig, bh_group, descriptors_enabled, padded
 from maskc.settings import direct_launch
 
-_LOG2E = 1.4426950408889634
 _log = logging.getLogger(__name__)
 # Launches inside compiling_only() (maskc.warmup) compile their kernels and run nothing: the
 # kernels compiled there, by name, with their seconds, in this context. `_warming` counts the
@@ -299,8 +298,7 @@ def _forward_plan(problem: Problem, tma: bool) -> LaunchPlan:
     config = problem.tiles.forward
     even_kv = problem.Lkv % config.block_n == 0
     sizes = _sizes(problem)
-    # without a score_mod the kernel folds log2(e) into the scale; a score_mod sees natural units
-    scale = problem.scale if problem.score is not None else problem.scale * _LOG2E
+    scale = kernel_scale(problem.scale, problem.score is not None)
     fixed = dict(
         **sizes, **_map_args(problem, config), **problem.captured, qk_scale=scale,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN_KV=even_kv,
@@ -355,7 +353,7 @@ def _hopper_plan(problem: Problem) -> LaunchPlan:
     """The Gluon forward's launch (maskc/runtime/hopper.py)."""
     config, registers, consumer_registers = _gluon_forward_tiles(problem)
     kernel = problem.kernel("hfwd")
-    scale = problem.scale if problem.score is not None else problem.scale * _LOG2E
+    scale = kernel_scale(problem.scale, problem.score is not None)
     fixed = dict(
         num_heads=problem.Hq, group_size=problem.Hq // problem.Hkv, q_len=problem.Lq, kv_len=problem.Lkv,
         **_map_args(problem, config), **problem.captured, qk_scale=scale, BLOCK_M=config.block_m,

@@ -29,6 +29,7 @@ from maskc.trace.mods import as_mask_mod
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 _SLOTS = 64
+_LOG2E = 1.4426950408889634
 
 
 def held_bytes(tensors=(), storages=(), maps=()) -> dict:
@@ -161,10 +162,22 @@ def problem_of(q, k, v, mask, score, scale, traces, *, block_map: BlockMap | Non
     if block_map is None:
         block_map = cached_block_map(mask, m, Lq, Lkv, chosen.sparse, B, Hq, q.device)
     captured, tensors = captured_args(m, s, q.dtype, q.device, merged=(tensors, params))
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    scale = softmax_scale(scale, D)
     return Problem(mask, m, s, scale, B, Hq, Hkv, Lq, Lkv, D, Dv, q.dtype, chosen, block_map, kernel, captured,
                    grad_slots, tuple(tensors[i] for i in grad_slots), negative, stamps_of(traces),
                    tuple(x for t in traces if t is not None for x in t.storages()))
+
+
+def softmax_scale(scale, head_dim: int) -> float:
+    """The scale of q·k: the caller's, or 1/sqrt(head_dim), SDPA's and FlexAttention's default."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def kernel_scale(scale: float, scored: bool) -> float:
+    """The scale a kernel multiplies q·k by. Its softmax runs in base 2: without a score_mod
+    log2(e) folds in here; a score_mod sees natural units, and the kernel multiplies its
+    result by log2(e) itself (templates/_softmax.py.jinja)."""
+    return scale if scored else scale * _LOG2E
 
 
 def captured_args(mask, score, dtype: torch.dtype, device: torch.device,
@@ -424,4 +437,5 @@ def _values(traced) -> str:
 
 __all__ = ["BLOCK_MAPS", "PLANS", "Problem", "cached_block_map", "captured_args", "captured_need_grad",
            "check_block_map", "check_captured", "check_head_dims", "check_tensors", "check_unchanged", "given",
-           "held_bytes", "index_argument", "mask_of_call", "planned", "problem_of", "stamps_of", "traces_of"]
+           "held_bytes", "index_argument", "kernel_scale", "mask_of_call", "planned", "problem_of", "softmax_scale",
+           "stamps_of", "traces_of"]
