@@ -131,3 +131,14 @@ def test_sizes():
     with pytest.raises(ValueError, match="size must be a size like 500M or 2G"):
         parse_size("2 potatoes")
     assert cache_max_size() is None
+
+
+def test_debug_names_the_decoding_plan_once(caplog):
+    """MASKC_LOG=debug says which kernel family a call signature runs, and why, once a plan."""
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    window = maskc.masks.sliding_window(7)
+    with caplog.at_level(logging.DEBUG, logger="maskc"), torch.no_grad():
+        for _ in range(3):
+            maskc.compiled_attention(q, k, v, enable_gqa=True, mask_mod=window)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decoding ")]
+    assert len(said) == 1 and "Lq=1 over 40 keys" in said[0] and "no gradients" in said[0], said

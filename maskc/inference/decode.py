@@ -17,6 +17,7 @@ without dense evaluation (see problem()).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ from maskc.runtime.kernel import CompiledKernel, kernel_for
 from maskc.runtime.launch import LaunchPlan, no_pairs, outputs
 from maskc.runtime.tiles import TileConfig, padded
 from maskc.settings import plan_cache_max_size
+
+_log = logging.getLogger(__name__)
 
 # compiled_attention decodes where no gradient is wanted and Lq · (Hq / Hkv) is at most this:
 # the packed rows fit one 64-row tile, which the prefill kernel would give a single q row.
@@ -143,6 +146,9 @@ def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: B
                    q.dtype, config, block_map, kernel_for("dec", m, s, q.dtype, q.device), plan.captured_args(m, s, q.dtype, q.device)[0], tables,
                    splits, tuple(x for t in traces if t is not None for x in t.storages()))
     DECODES.put(key, found)
+    _log.debug("decoding B=%d Hq=%d Hkv=%d Lq=%d over %d keys%s: the split-KV kernel in %d split%s (%d query rows a "
+               "kv head, no gradients)", B, Hq, Hkv, Lq, kv_cap, " (kv_lens)" if lens else "", splits,
+               "" if splits == 1 else "s", Lq * (Hq // Hkv))
     return found
 
 

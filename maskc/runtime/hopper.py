@@ -44,6 +44,7 @@ nor the module's name enters it, so a new process loads the binary instead of co
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 
 import torch
@@ -53,6 +54,8 @@ from triton.runtime.errors import OutOfResources
 from maskc.runtime import state, tiles
 from maskc.runtime.descriptors import fits
 from maskc.settings import gluon as gluon_setting
+
+_log = logging.getLogger(__name__)
 
 HEAD_DIMS = (64, 128)
 # 128 query rows a program, two consumer warpgroups of 64; 128-key tiles, three K/V stages (224 KiB
@@ -153,6 +156,11 @@ def runs(problem) -> bool:
     faster = problem.launches.get("gluon faster")  # decided once per problem: a host sync
     if faster is None:
         faster = problem.launches["gluon faster"] = _faster(problem)
+        _log.debug("forward of B=%d Hq=%d Lq=%d Lkv=%d D=%d %s: the %s kernel (%s)", problem.B, problem.Hq,
+                   problem.Lq, problem.Lkv, problem.D, str(problem.dtype).removeprefix("torch."),
+                   "Gluon" if faster else "Triton-language",
+                   "its rows keep enough kv tiles, where it measured faster" if faster else
+                   "a score mod it cannot split, or rows of too few kv tiles, where it measured slower")
     return faster
 
 
