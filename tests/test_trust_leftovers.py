@@ -164,11 +164,17 @@ def test_a_deep_nest_of_where_renders_in_linear_time(monkeypatch):
     assert printed.value
 
 
-def test_a_nest_too_deep_to_print_gets_maskcs_error():
+def test_a_nest_too_deep_to_print_gets_maskcs_error(monkeypatch):
     """A nest that traces within the recursion limit may still be too deep for the printer,
-    which recurses once per level as sympy's printers do: a maskc error naming the rule and
-    the fix, not Python's RecursionError from inside the printer."""
-    mask = maskc.mask_mod(_nested(110))
+    which recurses once per level as sympy's printers do (a where-nest of about 110 levels, at
+    a depth of the stack that varies with the process: here the printer is made to recurse too
+    deeply): a maskc error naming the rule and the fix, not Python's RecursionError."""
+    from maskc.codegen import printer
+
+    def too_deep(self, expr):
+        raise RecursionError("maximum recursion depth exceeded")
+    mask = maskc.mask_mod(_nested(3))
+    monkeypatch.setattr(printer.TritonPrinter, "_text", too_deep)
     with pytest.raises(maskc.MaskcError, match="nests too deeply to print") as raised:
         maskc.compile(mask_mod=mask, dtype=torch.float32, head_dim=16, device="cpu")
     assert "as a tensor" in str(raised.value)
