@@ -29,6 +29,7 @@ import maskc  # noqa: E402
 from maskc.runtime import launch, plan  # noqa: E402
 from maskc.testing import attention_reference, dense_mask  # noqa: E402
 from maskc.trace.mods import as_mask_mod, as_score_mod  # noqa: E402
+from _results import JSON_HELP, Figure, write  # noqa: E402
 from workloads import workloads  # noqa: E402
 
 flex = torch.compile(flex_attention, dynamic=False)
@@ -81,7 +82,7 @@ def outputs(run, q, k, v, d_out, backward):
 def with_backward(run, q, k, v, d_out, accumulate):
     """A training step's attention: forward, then the gradients of q, k and v handed on, as
     autograd hands them to the projections that made q, k and v in a model. `accumulate` (the
-    method before session 23) calls `.backward`, which also adds each gradient into the leaf
+    older method, `--accumulate-grads`) calls `.backward`, which also adds each gradient into the leaf
     tensors' `.grad`: three elementwise adds of B·H·L·D that are not attention (0.39 ms a step at
     the default shape on the H100, the same for every implementation; FlashAttention's
     benchmarks clear `.grad` before each backward for the same reason)."""
@@ -114,7 +115,8 @@ def main():
     ap.add_argument("--only", default="", help="workload names to run, separated by |")
     ap.add_argument("--backward", action="store_true", help="time forward + backward")
     ap.add_argument("--accumulate-grads", action="store_true",
-                    help="with --backward: .backward() into the leaves' .grad, the method before session 23")
+                    help="with --backward: .backward() into the leaves' .grad, the older method")
+    ap.add_argument("--json", metavar="PATH", help=JSON_HELP)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [args.length]
     warm_up_gpu()
@@ -122,6 +124,30 @@ def main():
     for L in lengths:
         rows += run(args, L)
     table(args, rows)
+    write_json(args, rows, sweep=len(lengths) > 1)
+
+
+def write_json(args, rows, sweep: bool) -> None:
+    """The table's times as a benchmarks/_results.py file (with --json)."""
+    if args.json is None:
+        return
+    figures, work = [], {}
+    for L, name, t_maskc, *_, t_map, t_flex_mask, _err_ref, _err_flex, t_flex, t_sdpa, flops in rows:
+        workload = f"{name}, L={L}" if sweep else name
+        work[workload] = flops
+        figures += [Figure(workload, "maskc", "time", t_maskc, "ms"),
+                    Figure(workload, "FlexAttention", "time", t_flex, "ms")]
+        if t_sdpa is not None:
+            figures.append(Figure(workload, "SDPA", "time", t_sdpa, "ms"))
+        figures += [Figure(workload, "maskc", "block map", t_map, "ms"),
+                    Figure(workload, "FlexAttention", "create_block_mask", t_flex_mask, "ms")]
+    mode = "Forward + backward" if args.backward else "Forward"
+    length = f" L={rows[0][0]}" if rows and not sweep else ""
+    setup = (f"bf16, B={args.batch} H={args.heads}{length} D={args.dim}"
+             f"{', gradients accumulated into .grad' if args.accumulate_grads else ''}"
+             f"{', MASKC_AUTOTUNE=' + os.environ['MASKC_AUTOTUNE'] if os.environ.get('MASKC_AUTOTUNE') else ''}")
+    write(args.json, "forward+backward" if args.backward else "forward", f"{mode}, D={args.dim}", setup, figures,
+          work)
 
 
 def run(args, L):
@@ -173,7 +199,7 @@ def run(args, L):
             t_sdpa = bench(run_sdpa)
         tf = lambda t: flops / (t * 1e-3) / 1e12  # noqa: E731
         rows.append((L, name, t_maskc, tf(t_maskc), tf(t_flex), tf(t_sdpa) if t_sdpa else None, t_map, t_flex_mask,
-                     err_ref, err_flex))
+                     err_ref, err_flex, t_flex, t_sdpa, flops))
         print(f"{name:24s} maskc {tf(t_maskc):6.1f}  flex {tf(t_flex):6.1f}  "
               f"sdpa {tf(t_sdpa) if t_sdpa else float('nan'):6.1f} TFLOP/s | err vs f64 {err_ref:.1e} "
               f"vs flex {err_flex:.1e} | tiles {spec.block_m}x{spec.block_n}/{spec.num_warps}w/{spec.num_stages}s",

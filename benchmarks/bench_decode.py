@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 sys.path.insert(0, str(Path(__file__).parent))
 import maskc  # noqa: E402
 from maskc.inference import decode  # noqa: E402
+from _results import JSON_HELP, Figure, write  # noqa: E402
 
 # one compiled FlexAttention per query length and mask: more than Dynamo's default 8 recompiles
 torch._dynamo.config.recompile_limit = 64
@@ -36,6 +37,8 @@ PEAK_GBS = 3350.0  # H100 SXM HBM3
 
 
 GRAPHS = "--graphs" in sys.argv
+FIGURES: list[Figure] = []  # every printed time, for --json
+NAMES = {"maskc": "maskc", "flex": "FlexAttention", "sdpa": "SDPA"}
 
 
 def bench(fn) -> float:
@@ -62,6 +65,9 @@ def row(name, lq, kept_keys, B, Hkv, D, times: dict, baseline: str | None):
         if other in times:
             cells.append(f"{other} {times[other]:8.1f} µs (×{times[other] / mine:4.2f})")
     print(" | ".join(cells), flush=True)
+    workload = f"{name}, Lq={lq}"
+    FIGURES.extend(Figure(workload, NAMES[impl], "time", t, "µs") for impl, t in times.items())
+    FIGURES.append(Figure(workload, "maskc", "bandwidth", bytes_ / mine / 1e3, "GB/s"))
 
 
 def check(a, b, what):
@@ -122,6 +128,7 @@ def paged_rows(args):
     lens = torch.full((B,), L, dtype=torch.int32, device=dev)
     base = bench(lambda: maskc.compiled_attention(q, k, v, enable_gqa=True, kv_lens=lens))
     ref = maskc.compiled_attention(q, k, v, enable_gqa=True, kv_lens=lens)
+    FIGURES.append(Figure("contiguous cache, Lq=1", "maskc", "time", base, "µs"))
     seq_ids = torch.arange(B, dtype=torch.int32, device=dev)
     for page_size in args.page_sizes:
         cache = maskc.PagedKVCache(B * L // page_size, page_size, Hkv, D, dtype=dt, device=dev, max_seqs=B,
@@ -132,6 +139,7 @@ def paged_rows(args):
         t = bench(lambda: maskc.paged_attention(q, cache, seq_ids, enable_gqa=True))
         print(f"paged, page size {page_size:<4} Lq=1   | {t:8.1f} µs | {base / t:5.1%} of contiguous ({base:.1f} µs)",
               flush=True)
+        FIGURES.append(Figure(f"paged, page size {page_size}, Lq=1", "maskc", "time", t, "µs"))
         del cache
 
 
@@ -159,12 +167,15 @@ def main():
     parser.add_argument("--graphs", action="store_true", help="time calls replayed from CUDA graphs")
     parser.add_argument("--only", choices=("decode", "paged", "batch"), nargs="+",
                         default=("decode", "paged", "batch"))
+    parser.add_argument("--json", metavar="PATH", help=JSON_HELP)
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     print(f"bf16, B={args.batch}, Hq=32, Hkv=8, D=128, {args.length} keys; "
           f"{'CUDA graphs' if args.graphs else 'do_bench (L2 flushed)'}", flush=True)
     for part in args.only:
         {"decode": decode_rows, "paged": paged_rows, "batch": batch_rows}[part](args)
+    write(args.json, "decode", "Decoding", f"bf16, B={args.batch} Hq=32 Hkv=8 D=128, {args.length} keys a sequence, "
+          f"{'CUDA graphs' if args.graphs else 'do_bench (L2 flushed)'}", FIGURES)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import triton
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import maskc
+from _results import JSON_HELP, Figure, write
 
 B, HQ, HKV, D, L = 1, 32, 8, 128, 4096
 
@@ -38,6 +39,7 @@ def graphed(fn):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--profile", action="store_true", help="print maskc's cProfile top 25")
+    parser.add_argument("--json", metavar="PATH", help=JSON_HELP)
     args = parser.parse_args()
     cuda = dict(device="cuda", dtype=torch.bfloat16)
     q = torch.randn(B, HQ, 1, D, **cuda)
@@ -68,6 +70,10 @@ def main() -> None:
     print(f"{'':14} {'per call µs':>12} {'graph µs':>10} {'÷ SDPA':>7}")
     for name, (eager, replay) in rows.items():
         print(f"{name:14} {eager:12.1f} {replay:10.1f} {eager / rows['SDPA'][0]:7.2f}")
+    workload = f"causal, {L} keys, one query"
+    write(args.json, "decode-step", "One decoding step", f"bf16, B={B} Hq={HQ} Hkv={HKV} D={D}, kv_lens",
+          [Figure(workload, name, metric, t, "µs") for name, (eager, replay) in rows.items()
+           for metric, t in (("per call", eager), ("graph replay", replay))])
     if args.profile:
         with torch.no_grad():
             profile = cProfile.Profile()

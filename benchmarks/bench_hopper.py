@@ -10,6 +10,7 @@ Their correctness against the float64 reference is tests/gpu/test_gluon.py's (th
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import maskc  # noqa: E402
 from maskc.runtime import hopper  # noqa: E402
 from maskc.runtime import plan as plans  # noqa: E402
+from _results import JSON_HELP, Figure, write  # noqa: E402
+
+FIGURES: list[Figure] = []  # every printed time, for --json
 
 
 def ran_gluon(key: str = "hfwd") -> bool:
@@ -82,6 +86,11 @@ def timing():
             print(f"{name:22s} {D:4d} {auto:>7s} {g:8.3f} {g2:7.3f} {t:8.3f} {fl:8.3f} {sd:8.3f} {t / g:9.2f} "
                   f"{fl / g:8.2f} {sd / g:8.2f}",
                   flush=True)
+            measured = {"maskc": g if auto == "gluon" else t, "maskc, Gluon kernel": g,
+                        "maskc, Gluon kernel, 2 K/V stages": g2, "maskc, Triton-language kernel": t,
+                        "FlexAttention": fl, "SDPA": sd}
+            FIGURES.extend(Figure(f"forward, {name}, D={D}", impl, "time", ms, "ms")
+                           for impl, ms in measured.items() if not math.isnan(ms))  # NaN: not timed
 
 
 def timing_backward(dims=(128, 64), only="", L=8192):
@@ -134,6 +143,10 @@ def timing_backward(dims=(128, 64), only="", L=8192):
             print(f"{name:22s} {D:4d} {ms['gluon']:8.3f} {ms['g-dq']:8.3f} {ms['triton']:8.3f} {ms['flex']:8.3f} "
                   f"{ms['flex'] / ms['gluon']:10.2f} {ms['flex'] / ms['g-dq']:9.2f} {ms['flex'] / ms['triton']:11.2f}",
                   flush=True)
+            labels = {"gluon": "maskc", "g-dq": "maskc, Gluon dK/dV + Triton dQ",
+                      "triton": "maskc, Triton-language backward", "flex": "FlexAttention"}
+            FIGURES.extend(Figure(f"forward + backward, {name}, D={D}", labels[arm], "time", t, "ms")
+                           for arm, t in ms.items())
 
 
 def main():
@@ -144,6 +157,7 @@ def main():
     parser.add_argument("--length", type=int, default=8192, help="sequence length of the forward + backward table")
     parser.add_argument("--dkdv-tiles", action="append", default=[], help="the dK/dV kernel's tiles for the table "
                         "at a head dim: D=BLOCK_M,BLOCK_N,WARPS,STAGES (default hopper.BACKWARD's)")
+    parser.add_argument("--json", metavar="PATH", help=JSON_HELP)
     args = parser.parse_args()
     torch.manual_seed(0)
     if "fwd" in args.timing.split(","):
@@ -155,6 +169,8 @@ def main():
             hopper.BACKWARD[int(dim)] = hopper.BACKWARD[int(dim)]._replace(
                 block_m=m, block_n=n, num_warps=warps, num_stages=stages)
         timing_backward(tuple(int(d) for d in args.dims.split(",")), args.only, args.length)
+    write(args.json, "hopper", "Gluon kernels beside the Triton-language ones",
+          f"bf16, B=4 H=16, L=8192 (forward), L={args.length} (forward + backward)", FIGURES)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,13 @@ import torch
 import transformers
 
 import maskc.integrations.transformers
+from _results import JSON_HELP, Figure, write
 
 CONFIG = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
               num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=16384,
               rope_theta=500000.0, tie_word_embeddings=True, attention_dropout=0.0)
 NAMES = {"maskc": "maskc", "sdpa": "SDPA", "flex_attention": "FlexAttention"}
+FIGURES: list[Figure] = []  # every printed figure, for --json
 
 
 def model_for(impl: str, state=None):
@@ -80,6 +82,7 @@ def training(impls, lengths, repeats: int) -> None:
             warm = time.perf_counter() - start
             seconds = timed(step, repeats)
             rows[impl, length] = seconds
+            FIGURES.append(Figure(f"training step, L={length}", NAMES[impl], "time", seconds * 1e3, "ms"))
             print(f"  {NAMES[impl]:<14} L={length:<6} step {seconds * 1e3:8.1f} ms  {length / seconds:9.0f} tok/s  "
                   f"first two steps {warm:6.1f} s  max |logits - {NAMES[impls[0]]}| {error:.3g}", flush=True)
             del model, compiled
@@ -114,6 +117,8 @@ def generation(impls, prompt: int, new: int, batch: int) -> None:
             run()
             seconds = timed(lambda: outputs.__setitem__(impl, run()), 3)
         same = torch.equal(outputs[impl], outputs[impls[0]])
+        FIGURES.append(Figure(f"generate(), batch {batch}, prompt {prompt}, {new} new tokens", NAMES[impl],
+                              "throughput", batch * new / seconds, "tok/s"))
         print(f"  {NAMES[impl]:<14} {seconds:6.2f} s  {batch * new / seconds:8.1f} tok/s  "
               f"tokens equal to {NAMES[impls[0]]}'s: {same}", flush=True)
         del model
@@ -130,6 +135,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--json", metavar="PATH", help=JSON_HELP)
     args = parser.parse_args()
     maskc.integrations.transformers.register()
     torch._dynamo.config.cache_size_limit = 64
@@ -139,6 +145,8 @@ def main() -> None:
         generation(impls, args.prompt, args.new_tokens, args.batch)
     else:
         training(impls, [int(n) for n in args.lengths.split(",")], args.repeats)
+    write(args.json, "model", "A 1B Llama: generate()" if args.generate else "A 1B Llama: compiled training step",
+          f"Llama 3.2 1B's shapes, random weights, bf16, transformers {transformers.__version__}", FIGURES)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The seven workloads of DESIGN.md, as (name, mask_mod, score_mod) for maskc, FlexAttention and SDPA.
+"""The seven workloads of docs/architecture.md, as (name, mask_mod, score_mod) for maskc, FlexAttention and SDPA.
 
 They live in the package, where `maskc bench` runs them too; these scripts import them from here.
 """

@@ -1,9 +1,10 @@
 """Context parallelism: one causal attention over a sequence sharded across processes.
 
-Each rank holds a shard of the positions (for a causal mask, the zigzag split that gives every
-rank the same work); key shards travel between ranks while each computes, and the mask sees
-global positions. The example checks the gathered output and gradients against single-process
-maskc, then prints the plan.
+Each rank holds a shard of the positions (for a causal mask, the zigzag split: of 2N equal
+chunks, rank r holds chunks r and 2N-1-r, a cheap head and an expensive tail, so every rank
+keeps as many tiles as the others); key shards travel between ranks while each computes, and
+the mask sees global positions. The example checks the gathered output and gradients against
+single-process maskc, then prints the plan (layout=zigzag).
 
 Run:  torchrun --nproc-per-node 2 examples/context_parallel.py
 (CPU: gloo, small float32 inputs through Triton's interpreter; with one CUDA GPU per rank:
@@ -17,6 +18,11 @@ import torch.distributed as dist
 import maskc
 import maskc.distributed
 
+# (tokens, heads, head dim, tile) on GPUs and on CPU. Each length cuts into 4 chunks of whole,
+# equal numbers of tiles (2N for N = 2 ranks): a length that does not (200 tokens: 13 tiles)
+# balances finer with more chunks than zigzag's, and the plan takes that split instead.
+SHAPES = {"cuda": (32768, 16, 128, 128), "cpu": (192, 2, 16, 16)}
+
 
 def main() -> None:
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", "1"))
@@ -25,7 +31,7 @@ def main() -> None:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo")
     device, dtype = (torch.device("cuda", rank), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
-    L, H, D, block = (32768, 16, 128, 128) if cuda else (200, 2, 16, 16)
+    L, H, D, block = SHAPES["cuda" if cuda else "cpu"]
 
     torch.manual_seed(0)  # every rank draws the same full tensors; each keeps its shard
     q, k, v = (torch.randn(1, H, L, D, device=device, dtype=dtype) for _ in range(3))

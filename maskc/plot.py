@@ -5,7 +5,7 @@ to PAIRS_UP_TO) also show each pair of a PARTIAL tile, kept or dropped, as atten
 `visualize_attention_scores` draws masks; longer ones are drawn from the map's runs at no
 more than `max_cells` cells a side, never as an L×L image.
 
-NOTE: this module is a tool over the core (DESIGN.md): it imports BlockMap, and attaches
+NOTE: this module is a tool over the core (docs/architecture.md): it imports BlockMap, and attaches
 `BlockMap.plot` itself below, so that maskc/analysis never imports a drawing library or
 this module. The first public name of maskc in use imports it (maskc/__init__.py); matplotlib is
 imported on the first drawing.

@@ -70,7 +70,8 @@ def test_show_prints_the_picture_counts_and_time(capsys):
     bm = maskc.block_map(masks.sliding_window(16), 100, 100, block_size=16)
     assert head == str(bm).splitlines()[0]
     assert "full=" in head and "sparsity=" in head
-    assert rows == str(bm).splitlines()[1:] and len(rows) == 7  # ceil(100 / 16) tile rows
+    assert rows == str(bm).splitlines()[1:] and len(rows) == 7 + 1  # ceil(100 / 16) tile rows and the legend
+    assert rows[-1] == "█ FULL: no mask code  ░ PARTIAL: mask evaluated  · EMPTY: skipped"
     assert timing.startswith("block map built in ") and timing.endswith(" ms")
 
 
@@ -126,11 +127,29 @@ def test_show_takes_the_users_own_masks(capsys, user_masks):
         assert out.splitlines()[1:5] == ["░░··", "░░░·", "·░░░", "··░░"]
 
 
+def test_a_users_module_named_like_a_maskc_mask_is_imported(capsys, user_masks):
+    # "casual" is close to causal: the did-you-mean applies only where no such module exists
+    (user_masks.parent / "casual.py").write_text(USER_MASKS)
+    try:
+        code, out, err = cli(capsys, "show", "casual:band", "--q-len", "64", "--block-size", "16")
+    finally:
+        sys.modules.pop("casual", None)
+    assert (code, err) == (0, "") and out.startswith("BlockMap(band")
+
+
 # -- bad arguments: exit code 2, the usage and a message that says what to do --------------------
 @pytest.mark.parametrize("argv, message", [
     ([], "the following arguments are required: COMMAND"),
     (["show"], "the following arguments are required: MASK"),
     (["show", "foo"], "unknown mask 'foo'; name one of causal, "),
+    (["show", "casual"], "unknown mask 'casual'; did you mean causal? name one of causal, "),
+    (["show", "slidng_window:10"], "unknown mask 'slidng_window' in 'slidng_window:10' (no maskc mask and no module "
+                                   "of that name); did you mean sliding_window or dilated_sliding_window?"),
+    (["show", "softcap:30"], "'softcap' is a maskc score, not a mask; name a mask here"),
+    (["show", "and_masks"], "maskc.masks.and_masks takes mask_mods, which a command line cannot spell; combine "
+                            "them in your code and name the result module:function"),
+    (["source", "causal", "--score-mod", "alibi_slopes:8"], "maskc.scores.alibi_slopes gives alibi's slopes, not a "
+                                                            "score_mod; name alibi:HEADS"),
     (["show", "sliding_window"], "'sliding_window' does not fit sliding_window:WINDOW"),
     (["show", "sliding_window:-1"], "window must be a non-negative int, got -1"),
     (["show", "sliding_window:window=8:2"], "follows a name=value one; put it first"),
@@ -140,6 +159,8 @@ def test_show_takes_the_users_own_masks(capsys, user_masks):
     (["show", "causal", "--block-size", "0"], "must be a tile size like 128 or 128x64"),
     (["show", "cli_no_such_module:mask"], "cannot import 'cli_no_such_module'"),
     (["show", "missing_file.py:mask"], "no file missing_file.py"),
+    (["show", ":mask"], "'' in ':mask' is not a module name; write module:function"),
+    (["show", "..up:mask"], "'..up' in '..up:mask' is not a module name; write module:function"),
     (["show", "document:lengths=10,20", "--q-len", "50"], "hold 30 tokens but --q-len is 50"),
     (["show", "document:lengths=10,-2"], "lengths must be positive integers"),
     (["show", "causal", "--b", "-1"], "b must be in [0, 1)"),
@@ -147,6 +168,9 @@ def test_show_takes_the_users_own_masks(capsys, user_masks):
     (["source", "causal", "--head-dim", "8"], "head_dim must be between 16 and 256, got 8"),
     (["source", "causal", "--score-mod", "softcap:-1"], "cap must be a positive finite number"),
     (["source", "causal", "--score-mod", "tanh"], "unknown score 'tanh'; name one of softcap, alibi"),
+    (["source", "causal", "--score-mod", "sofcap:30"], "unknown score 'sofcap' in 'sofcap:30' (no maskc score and "
+                                                       "no module of that name); did you mean softcap?"),
+    (["source", "causal", "--score-mod", "causal"], "'causal' is a maskc mask, not a score; name a score here"),
     (["cache"], "the following arguments are required: ACTION"),
     (["cache", "prune", "--max-size", "lots"], "--max-size must be a size like 500M or 2G"),
     (["bench", "--dtype", "fp8"], "invalid choice: 'fp8'"),

@@ -5,8 +5,12 @@ reference; a failed check fails the spawn, with the worker's traceback.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -348,6 +352,39 @@ def test_causal_takes_the_zigzag_split():
     chosen = layout.choose(_kept(maskc.masks.causal, 512), 512, 16, 4)
     assert chosen.name == "zigzag" and chosen.owned == ((0, 7), (1, 6), (2, 5), (3, 4))
     assert len({chosen.rank_work(r) for r in range(4)}) == 1  # every rank keeps the same number of tiles
+
+
+def test_a_ragged_causal_length_may_balance_finer_than_zigzag():
+    # 13 tiles do not cut into 4 equal chunks: 8 chunks handed out evenly leave the busiest rank less
+    kept = _kept(maskc.masks.causal, 200)
+    chosen = layout.choose(kept, 200, 16, 2)
+    zigzag = layout._layout("zigzag", kept, 200, 16, 4, [(0, 3), (1, 2)])
+    assert chosen.name == "balanced" and chosen.busiest < zigzag.busiest
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("context_parallel_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # defines main and SHAPES; runs nothing
+    return module
+
+
+def test_context_parallel_example_shards_as_it_says():
+    example = _example()
+    assert "the zigzag split" in example.__doc__ and "--nproc-per-node 2" in example.__doc__
+    for device, (L, _, _, block) in example.SHAPES.items():
+        assert layout.choose(_kept(maskc.masks.causal, L, block), L, block, 2).name == "zigzag", device
+
+
+@pytest.mark.slow  # two processes through the interpreter, forward and backward: ~30 s on 2 cores
+def test_context_parallel_example_prints_the_zigzag_plan():
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(EXAMPLE)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "layout=zigzag" in run.stdout and run.stdout.splitlines()[-1] == "ok", run.stdout
 
 
 def test_sliding_window_stays_contiguous():

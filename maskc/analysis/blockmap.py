@@ -29,6 +29,9 @@ _TABLES = ("_buffer", "full_offsets", "full_runs", "partial_offsets", "partial_r
 _BY_SERIAL: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _SERIAL = itertools.count()
 _GLYPHS = {EMPTY: "·", PARTIAL: "░", FULL: "█"}
+# The last line of every text picture: the glyphs mean nothing to a reader without it.
+_LEGEND = (f"{_GLYPHS[FULL]} FULL: no mask code  {_GLYPHS[PARTIAL]} PARTIAL: mask evaluated  "
+           f"{_GLYPHS[EMPTY]} EMPTY: skipped")
 _PICTURE_MAX = 64
 # Tiles of a map whose derived maps are computed on the host (_work_device): on the dev CPU a
 # causal map of 2^22 tiles took 0.15 s to coarsen and 0.32 s to transpose, about the GPU's
@@ -459,7 +462,8 @@ class BlockMap:
         return grid, step_q, step_kv
 
     def picture(self, b: int = 0, h: int = 0) -> str:
-        """The tiles of (b, h) as text, one character per tile (or per cell of tiles past 64 a side)."""
+        """The tiles of (b, h) as text, one character per tile (or per cell of tiles past 64 a side),
+        under a line of counts and above a legend of the characters."""
         grid, step_q, step_kv = self.tiles_of(b, h, _PICTURE_MAX)
         head = (f"BlockMap({self.mask_name}, q_len={self.q_len}, kv_len={self.kv_len}, block_size={self.block_size}, "
                 f"stored B×H={self.B}×{self.H}, tiles {self.n_q}×{self.n_kv}: full={self.num_full} "
@@ -469,6 +473,7 @@ class BlockMap:
             cells = f"; each character covers {step_q}×{step_kv} tiles" if step_q > 1 or step_kv > 1 else ""
             lines.append(f"(b={b}, h={h}{cells})")
         lines += ["".join(_GLYPHS[v] for v in row) for row in grid.tolist()]
+        lines.append(_LEGEND)
         return "\n".join(lines)
 
     def __str__(self) -> str:

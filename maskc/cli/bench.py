@@ -1,6 +1,6 @@
 """`maskc bench`: maskc, FlexAttention and scaled_dot_product_attention side by side on this GPU.
 
-The standard workloads of DESIGN.md (benchmarks/ uses the same list). TFLOP/s count
+The standard workloads of docs/architecture.md (benchmarks/ uses the same list). TFLOP/s count
 4·B·H·D·(pairs the mask keeps) for every implementation; times are medians of
 `triton.testing.do_bench`. FlexAttention is `torch.compile(flex_attention)` with
 `create_block_mask`; SDPA gets `is_causal` for causal and a dense boolean mask for the other
@@ -36,7 +36,7 @@ def document_ids(length: int, docs: int, device, seed: int = 0) -> torch.Tensor:
 
 
 def workloads(length: int, heads: int, device) -> list[tuple]:
-    """The seven workloads of DESIGN.md as (name, mask_mod, score_mod)."""
+    """The seven workloads of docs/architecture.md as (name, mask_mod, score_mod)."""
     slopes = scores.alibi_slopes(heads).to(device)
     return [
         ("no mask", None, None),

@@ -5,6 +5,7 @@ or a mod from the user's code (`my_masks:sliding`, `./masks.py:sliding`,
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -38,10 +39,16 @@ def _alibi(heads: int) -> ScoreMod:
     return scores.alibi(scores.alibi_slopes(heads))
 
 
-# The ready-made mods a command line can name. The mask combinators take mods, and
-# relative_bias a learned table, which a command line cannot spell: those come from the
-# user's code (module:function).
-MASKS = {name: getattr(masks, name) for name in masks.__all__ if name not in ("and_masks", "or_masks", "not_mask")}
+# Public names of maskc.masks and maskc.scores that a command line cannot spell, and what to do
+# instead: such mods come from the user's code (module:function).
+_COMBINE = ("takes mask_mods, which a command line cannot spell; combine them in your code and name the result "
+            "module:function")
+_CODE_ONLY = {"and_masks": _COMBINE, "or_masks": _COMBINE, "not_mask": _COMBINE,
+              "relative_bias": "takes a learned table, which a command line cannot spell; build the score_mod in "
+                               "your code and name it module:function",
+              "alibi_slopes": "gives alibi's slopes, not a score_mod; name alibi:HEADS"}
+# The ready-made mods a command line can name.
+MASKS = {name: getattr(masks, name) for name in masks.__all__ if name not in _CODE_ONLY}
 MASKS["document"] = _document
 SCORES = {"softcap": scores.softcap, "alibi": _alibi}
 
@@ -78,6 +85,7 @@ def resolve(spec: str, kind: str) -> Resolved:
     """The traced mod a MASK (kind "mask") or SCORE (kind "score") argument names."""
     table = MASKS if kind == "mask" else SCORES
     name, *args = spec.split(":")
+    _refuse_other_names(name, kind)
     if name in table:
         made = table[name]
         if isinstance(made, (MaskMod, ScoreMod)):
@@ -88,9 +96,18 @@ def resolve(spec: str, kind: str) -> Resolved:
         # a document mask is as long as its documents together
         return Resolved(mod, len(mod.traced.tensors[0]) if made is _document else None)
     if not args:
-        raise UsageError(f"unknown {kind} {spec!r}; name one of {', '.join(table)} (see --help), or your own as "
-                         f"module:function")
-    target = _attribute(_module(name, spec), args[0], spec)
+        raise UsageError(f"unknown {kind} {spec!r}; {_did_you_mean(name, table)}name one of {', '.join(table)} "
+                         f"(see --help), or your own as module:function")
+    try:
+        module = _module(name, spec)
+    except UsageError:
+        # a misspelt ready-made name with arguments reads as module:function: say which was meant
+        if not name.isidentifier() or not _close(name, table) or importlib.util.find_spec(name):
+            raise
+        raise UsageError(f"unknown {kind} {name!r} in {spec!r} (no maskc {kind} and no module of that name); "
+                         f"{_did_you_mean(name, table)}name one of {', '.join(table)} (see --help), or your own as "
+                         f"module:function") from None
+    target = _attribute(module, args[0], spec)
     if len(args) > 1:
         target = _call(target, args[1:], spec, f"{args[0]}{inspect.signature(target)}")
     try:
@@ -98,6 +115,24 @@ def resolve(spec: str, kind: str) -> Resolved:
     except (MaskcError, TypeError) as error:
         raise UsageError(f"{spec!r} is not a {kind}_mod maskc can trace: {error}") from None
     return Resolved(mod, None)
+
+
+def _close(name: str, table: dict) -> list[str]:
+    return difflib.get_close_matches(name, table)
+
+
+def _did_you_mean(name: str, table: dict) -> str:
+    close = _close(name, table)
+    return f"did you mean {' or '.join(close)}? " if close else ""
+
+
+def _refuse_other_names(name: str, kind: str) -> None:
+    """A name of maskc's that this argument cannot take: the other kind's mod, or one of _CODE_ONLY."""
+    other, table = ("score", SCORES) if kind == "mask" else ("mask", MASKS)
+    if name in table:
+        raise UsageError(f"{name!r} is a maskc {other}, not a {kind}; name a {kind} here (see --help)")
+    if name in _CODE_ONLY:
+        raise UsageError(f"maskc.{'masks' if name in masks.__all__ else 'scores'}.{name} {_CODE_ONLY[name]}")
 
 
 def _call(factory, args: list[str], spec: str, shown: str):
@@ -151,6 +186,9 @@ def _module(name: str, spec: str):
         module = importlib.util.module_from_spec(loader_spec)
         loader_spec.loader.exec_module(module)
         return module
+    if not all(part.isidentifier() for part in name.split(".")):
+        raise UsageError(f"{name!r} in {spec!r} is not a module name; write module:function with a dotted module "
+                         f"name, or path/to/file.py:function")
     # NOTE: a console script's sys.path lacks the current folder, where `python -m` has it:
     # modules next to the user are found either way.
     if os.getcwd() not in sys.path:

@@ -156,8 +156,10 @@ def plan(mask_mod, seq_len: int, *, group=None, block_size: int = 128, B: int | 
     None) for maskc.distributed.attention, balancing the tiles `mask_mod` keeps.
 
     Every rank calls it with the same mask and length (it checks, with one all-gather). A causal
-    mask gets the zigzag split; a sliding window, contiguous shards; other masks the balance
-    their block map gives. B and H are needed only when the mask reads b or h.
+    mask gets the zigzag split where its tiles cut into 2N equal chunks (otherwise a finer
+    balanced split may leave the busiest rank less); a sliding window, contiguous shards; other
+    masks the balance their block map gives (`plan.layout` names the choice). B and H are needed
+    only when the mask reads b or h.
 
     >>> plan = maskc.distributed.plan(maskc.masks.sliding_window(4096), 131072)
     >>> plan.skipped_steps          # ring steps no rank computes, which send nothing
