@@ -14,7 +14,7 @@ import maskc
 import maskc.distributed as md
 from maskc.codegen.printer import TritonPrinter
 from maskc.errors import MaskTraceError
-from maskc.testing import attention_reference
+from maskc.testing import assert_close_to_reference, attention_reference
 from maskc.trace import dag
 from _inputs import qkv
 
@@ -178,3 +178,20 @@ def test_a_nest_too_deep_to_print_gets_maskcs_error(monkeypatch):
     with pytest.raises(maskc.MaskcError, match="nests too deeply to print") as raised:
         maskc.compile(mask_mod=mask, dtype=torch.float32, head_dim=16, device="cpu")
     assert "as a tensor" in str(raised.value)
+
+
+@pytest.mark.parametrize("op", ["%", "fmod", "% -inf"])
+def test_a_remainder_by_a_captured_infinity_follows_torch(op):
+    """x % inf is x where x has the divisor's sign, else the divisor (torch and Python agree),
+    and torch.fmod(x, inf) is x; sympy's Mod(x, oo) is nan, which made every comparison false
+    and the mask drop every pair without a word."""
+    W = float("-inf") if op == "% -inf" else float("inf")
+
+    def mask(b, h, q_idx, kv_idx):
+        rest = torch.fmod(q_idx - 3, W) if op == "fmod" else (q_idx - 3) % W
+        return (rest < 2) | (rest == W) if op == "% -inf" else rest < 2
+
+    q, k, v = (torch.randn(1, 1, 40, 16, generator=torch.Generator().manual_seed(n)) for n in range(3))
+    got = maskc.compiled_attention(q, k, v, mask_mod=mask)
+    want, _ = attention_reference(q, k, v, mask_mod=mask)
+    assert_close_to_reference(got, want)

@@ -35,6 +35,8 @@ from maskc.trace.symbols import SCORE, BFloat16, CustomBackward, Float16, LoadFl
 # -- operations that only torch functions perform ----------------------------------------------
 def fmod(a, b):
     """torch.fmod: the remainder with the sign of the dividend, as C computes it."""
+    if b in (sympy.oo, -sympy.oo):
+        return a  # C's fmod(x, ±inf) is x (trunc(x / inf) * inf would be 0 * inf: nan)
     return a - (P.trunc(a / b) if P.float32_exact(b) else Trunc(a / b)) * b
 
 

@@ -497,6 +497,10 @@ def float32_exact(m) -> bool:
 
 
 def mod(a, b):
+    if b in (sympy.oo, -sympy.oo):
+        # torch and Python: x % inf is x where x has the divisor's sign (or is 0), else the divisor
+        # (-1 % inf == inf); sympy's Mod(x, oo) is nan, which would make every comparison false
+        return piecewise((a, relation(sympy.Ge if b > 0 else sympy.Le, a, 0)), (b, sympy.true))
     return dag.make(sympy.Mod, as_spelled(a), as_spelled(b)) if float32_exact(b) else dag.make(sympy.Mod, a, b)
 
 
