@@ -20,7 +20,7 @@ _LAZY = {
     "flex_attention": "maskc.integrations.flex", "noop_mask": "maskc.integrations.flex",
     "or_masks": "maskc.integrations.flex",
     "plot": "maskc.plot",
-    "CacheInfo": "maskc.runtime", "CompiledKernel": "maskc.runtime", "PagedKVCache": "maskc.inference.paged",
+    "CacheInfo": "maskc.runtime", "CompiledKernel": "maskc.runtime", "PagedKVCache": "maskc.runtime",
     "cache_info": "maskc.runtime.state", "clear_caches": "maskc.runtime.state",
     "compile": "maskc.runtime", "compiled_attention": "maskc.runtime",
     "invalidate": "maskc.runtime", "paged_attention": "maskc.runtime", "warmup": "maskc.runtime.warmup",

@@ -1,4 +1,4 @@
-"""Every environment knob maskc reads, in one place (README lists them from SETTINGS).
+"""Every environment knob maskc reads, in one place (docs/guides/settings.md lists them).
 
 Each is read when it is used, not at import, so a test or a long-running process can change
 it between calls. Nothing else in maskc reads os.environ for its own settings. Each is checked

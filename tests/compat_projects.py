@@ -21,7 +21,7 @@ Copied verbatim from code we did not write (none of these projects is installed 
   @ 613018aae799cfb9726fcc401a7880be20e0f4f2
 
 What changed, and only that: device="cuda" and .to("cuda") became `test_device` (the CPU); the
-imports of `BlockMask`, `create_block_mask` and `flex_attention` come from maskc, as its README's
+imports of `BlockMask`, `create_block_mask` and `flex_attention` come from maskc, as its docs'
 "FlexAttention drop-in" says to change them (maskc.BlockMask is torch's class). Methods are copied
 with their `self` and the smallest state object they read, said where it is made. Lines of a
 function that only build a BlockMask (a model's forward, a generate step) are wrapped in a function

@@ -24,7 +24,7 @@ Every expression is valid wherever it is evaluated, so that a failure is maskc's
 - no division by zero, and table indices in range for lengths up to `max_len` (tables indexed by
   a bare position are at least that long);
 - each integer sub-expression stays within ±2**24 (INT_LIMIT): positions are int32 in the kernel
-  (README: a product of large positions can wrap there), and integers this small are exact in
+  (docs/guides/masks.md: a product of large positions can wrap there), and integers this small are exact in
   float32, whichever side of a cast maskc computes them on;
 - a score stays within ±SCORE_LIMIT, assuming |q·k·scale| <= SCORE_BOUND (standard normal q and
   k): the kernel keeps scores in float32, whose rounding of larger ones is not maskc's error;

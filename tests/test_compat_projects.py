@@ -273,7 +273,7 @@ def test_gpt_fast_decode_step(maker, pos):
 # -- under torch.compile, as the projects compile it ---------------------------------------------
 # backend="eager": Dynamo's tracing decides what follows; Inductor would only add minutes.
 FULLGRAPH = ("maskc.flex_attention under torch.compile(fullgraph=True) refuses a BlockMask whose mask_mod "
-             "the project made as a plain function (documented in README; torch runs it)")
+             "the project made as a plain function (documented in docs/guides/torch-compile.md; torch runs it)")
 
 
 def test_torchtitan_compiled_create_block_mask():

@@ -88,7 +88,7 @@ class Case:
     build: Callable[[], Built]
     has_mask: bool = True
     composed: Callable | None = None  # the create_*_mask call, for test_maskc_backend
-    padded_rows: bool = False  # rows whose every score is dtype's min: empty in the kernels (README)
+    padded_rows: bool = False  # rows whose every score is dtype's min: empty in the kernels (docs/guides/masks.md)
 
 
 _BUILT: dict[str, Built] = {}
@@ -386,7 +386,7 @@ def _position_bias():
 
 # A score below float32's range in log2 units counts as -inf in maskc's kernels, as in FlexAttention's
 # compiled ones: a row of only such scores (transformers' padded queries) is empty, where eager
-# attention gives the mean of V (README, "semantics that differ"); the reference is told so.
+# attention gives the mean of V (docs/guides/masks.md, "Where maskc's answer differs from FlexAttention's"); the reference is told so.
 _BELOW_LOG2_RANGE = -torch.finfo(torch.float32).max / 1.4426950408889634
 
 INTEGRATION_CASES = [

@@ -333,7 +333,7 @@ def test_compacted_block_mask_matches_reference():
 
 def test_compute_dq_write_order_is_accepted_without_effect():
     """test_flex_attention.py::TestBlockMask::test_create_block_mask_defaults_to_spt_dq_write_order
-    (pytorch 1410d025). README documents `create_block_mask(compute_dq_write_order=, dq_kv_order=)`
+    (pytorch 1410d025). docs/guides/block-maps.md documents `create_block_mask(compute_dq_write_order=, dq_kv_order=)`
     as accepted with no effect: no dq_write_order is computed (torch's is not None)."""
     block_mask = create_block_mask(_causal_mask, B=1, H=1, Q_LEN=256, KV_LEN=256, BLOCK_SIZE=128, device="cpu",
                                    compute_dq_write_order=True)
@@ -424,7 +424,7 @@ def test_non_equal_head_dims(head_dims):
 def test_head_dim_below_16_is_refused_as_documented():
     """test_flex_attention.py::TestFlexAttention::test_non_equal_head_dims with (D, D // 2) at D=16, and
     test_validate_small_embedding_size_error_message (pytorch 1410d025): eager torch takes head dim 8,
-    its compiled GPU kernel refuses it ("at least 16"); README documents head dims outside 16..256 as
+    its compiled GPU kernel refuses it ("at least 16"); docs/guides/block-maps.md documents head dims outside 16..256 as
     refused by maskc."""
     q, k, v = qkv(1, 2, Lq=32, D=16, Dv=8, seed=56)
     assert _torch_flex(q, k, v).shape == (1, 2, 32, 8)
@@ -877,7 +877,7 @@ def test_noop_mask_block_mask():
 
 def test_mixed_dtypes_are_refused_as_documented():
     """test_flex_attention.py::TestFlexAttention::test_mixed_dtypes_eager (pytorch 1410d025): eager torch
-    computes fp32 q with fp16 k, v; README documents maskc's TypeError asking for one dtype."""
+    computes fp32 q with fp16 k, v; docs/guides/block-maps.md documents maskc's TypeError asking for one dtype."""
     q, k, v = qkv(1, 1, Lq=32, seed=52)
     k, v = k.half(), v.half()
     assert _torch_flex(q, k, v).dtype == torch.float32
@@ -886,7 +886,7 @@ def test_mixed_dtypes_are_refused_as_documented():
 
 
 def test_max_scores_is_refused_as_documented():
-    """test_flex_attention.py::TestFlexAttention::test_return_max (pytorch 1410d025): README documents
+    """test_flex_attention.py::TestFlexAttention::test_return_max (pytorch 1410d025): docs/guides/block-maps.md documents
     `return_aux=AuxRequest(max_scores=True)` as NotImplementedError."""
     q, k, v = qkv(1, 1, Lq=32, seed=53)
     with pytest.raises(NotImplementedError, match="max_scores"):

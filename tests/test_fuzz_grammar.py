@@ -34,7 +34,7 @@ BACKWARD_SEEDS = range(2000, 2000 + 4 * _SCALE)
 BLOCK_SIZES = ((16, 16), (16, 32), (32, 16))
 # float64 runs only, 6e-10 to 2e-7 off against the 1e-10 asked of float64: maskc's float64 kernel
 # computes a score's index arithmetic with float literals in float64 where torch computes it in
-# float32 (README, "semantics that differ"), and in float32 a literal's product with a parameter
+# float32 (docs/guides/masks.md, "Where maskc's answer differs from FlexAttention's"), and in float32 a literal's product with a parameter
 # or a float32 table value, or a reciprocal (score / x.clamp(min=1.0)) where torch divides in
 # float64. Each is within float32's tolerance.
 FLOAT64_ROUNDING = {1029, 1045, 1051, 2003, 2013, 2029}

@@ -95,3 +95,12 @@ torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 # the first name in use loaded maskc.plot too, which gives every BlockMap its plot method
 assert sys.modules["maskc.analysis.blockmap"].BlockMap.plot is sys.modules["maskc.plot"].plot_block_map
 """, timeout=300)
+
+
+@pytest.mark.parametrize("statement", ["import maskc; maskc.PagedKVCache", "import maskc.inference.paged",
+                                       "import maskc.inference.decode", "import maskc.runtime"])
+def test_each_package_imports_first_in_a_fresh_process(statement):
+    """The runtime's package imports inference's modules (its public functions decode and take
+    a PagedKVCache) and they import the runtime's: whichever comes first, the import is whole."""
+    done = subprocess.run([sys.executable, "-c", statement], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

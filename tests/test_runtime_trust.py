@@ -508,7 +508,7 @@ def test_negative_indices_are_wrapped_where_the_call_can_have_them():
 def test_scores_below_the_log2_range_count_as_minus_infinity():
     """transformers' additive padding puts finfo(float32).min on every key of a padded row. The
     kernels take scores in log2 units, where that is -inf (as FlexAttention's kernel does on an H100): such
-    a row is empty, output 0 (README, Semantics). The float64 reference averages it, as
+    a row is empty, output 0 (docs/guides/masks.md). The float64 reference averages it, as
     softmax of equal scores does: it summed v there before (exp(score - lse) with lse's
     rounding absorbing log(n))."""
     lowest = torch.finfo(torch.float32).min
@@ -528,7 +528,7 @@ def test_scores_below_the_log2_range_count_as_minus_infinity():
 
 
 # A score below this, in log2 units past float32's range, is -inf in the kernels (FlexAttention's
-# compiled kernels read it so too): README, "semantics that differ".
+# compiled kernels read it so too): docs/guides/masks.md, "Where maskc's answer differs from FlexAttention's".
 _BELOW_LOG2_RANGE = -torch.finfo(torch.float32).max / 1.4426950408889634
 
 
