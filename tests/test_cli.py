@@ -105,6 +105,10 @@ def branchy(b, h, q_idx, kv_idx):
     if q_idx > kv_idx:
         return True
     return False
+
+
+def first_head_causal(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (h == 0)
 '''
 
 
@@ -125,6 +129,14 @@ def test_show_takes_the_users_own_masks(capsys, user_masks):
         assert code == 0, spec
         # a band of ±4: the diagonal tiles PARTIAL, the ones beside them PARTIAL at their corners
         assert out.splitlines()[1:5] == ["░░··", "░░░·", "·░░░", "··░░"]
+
+
+def test_a_mask_that_reads_h_asks_for_the_options_that_give_it(capsys, user_masks):
+    code, out, err = cli(capsys, "show", "cli_user_masks:first_head_causal", "--q-len", "64")
+    assert code == 2 and "reads h, so its block map differs per h; pass --heads H (and --h to pick" in err
+    code, out, err = cli(capsys, "show", "cli_user_masks:first_head_causal", "--q-len", "64", "--heads", "2",
+                         "--h", "1", "--block-size", "16")
+    assert code == 0 and "█" not in out.split("\n█ FULL")[0] and "░" not in out.split("\n█ FULL")[0]
 
 
 def test_a_users_module_named_like_a_maskc_mask_is_imported(capsys, user_masks):
@@ -345,7 +357,7 @@ def test_cache_clear(capsys, cache_dir):
     (cache_dir / "notes.py").write_text("# not maskc's\n")
     code, out, _ = cli(capsys, "cache", "clear")
     assert code == 0
-    assert out.startswith(f"deleted 1 kernels, autotune.json from {cache_dir} (")
+    assert out.startswith(f"deleted 1 kernel, autotune.json from {cache_dir} (")
     assert sorted(p.name for p in cache_dir.iterdir()) == ["fwd_x.tmp", "notes.py"]
 
 
@@ -364,7 +376,7 @@ def test_cache_prune_deletes_stale_then_least_recently_used(capsys, cache_dir, m
     assert f"would delete {old.name}" in out and "stale, written by maskc 0.0.1" in out
     assert f"would delete {untagged.name}" in out and "written before maskc tagged its files" in out
     assert f"would delete {edited.name}" in out and "written by other templates or codegen" in out
-    assert out.splitlines()[-1].startswith(f"3 kernels would delete; 3 kept in {cache_dir}")
+    assert out.splitlines()[-1].startswith(f"3 kernels would be deleted; 3 kept in {cache_dir}")
     # room for the two most recently used
     room = kept[0].stat().st_size + kept[1].stat().st_size
     code, out, _ = cli(capsys, "cache", "prune", "--max-size", str(room))

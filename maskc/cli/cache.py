@@ -117,7 +117,7 @@ def clear_(args) -> int:
     found = cache.entries(home)
     others = [home / name for name in OTHER_FILES if (home / name).is_file()] + cache.bytecode(home)
     freed = _remove(home, [e.path for e in found] + others + cache.leftovers(home), args.wait)
-    print(f"deleted {len(found)} kernels{''.join(f', {p.name}' for p in others)} from {home} ({size(freed)})")
+    print(f"deleted {_kernels(len(found))}{''.join(f', {p.name}' for p in others)} from {home} ({size(freed)})")
     return 0
 
 
@@ -133,6 +133,7 @@ def prune_(args) -> int:
     over = cache.least_recently_used(fresh, limit) if limit is not None else []
     leftovers, bytecode = cache.leftovers(home), cache.bytecode(home)
     verb = "would delete" if args.dry_run else "deleted"
+    summary = "would be deleted" if args.dry_run else "deleted"
     for e in stale:
         print(f"{verb} {e.path.name} ({size(e.size)}): stale, {_stale(e, current)}")
     for e in over:
@@ -144,8 +145,12 @@ def prune_(args) -> int:
     if not args.dry_run:
         _remove(home, [e.path for e in stale + over] + leftovers + bytecode, args.wait)
     kept = sum(e.size for e in fresh if e not in over)
-    print(f"{len(stale) + len(over)} kernels {verb}; {len(fresh) - len(over)} kept in {home} ({size(kept)})")
+    print(f"{_kernels(len(stale) + len(over))} {summary}; {len(fresh) - len(over)} kept in {home} ({size(kept)})")
     return 0
+
+
+def _kernels(n: int) -> str:
+    return f"{n} kernel" if n == 1 else f"{n} kernels"
 
 
 def _remove(home: Path, paths: list[Path], wait: float) -> int:

@@ -15,7 +15,7 @@ import triton
 from maskc import masks
 from maskc._version import __version__
 from maskc.cli._common import size, table
-from maskc.runtime import cache, descriptors
+from maskc.runtime import cache, descriptors, hopper
 from maskc.runtime.api import compiled_attention
 from maskc.settings import cache_dir, overridden
 from maskc.testing.asserts import assert_close_to_reference
@@ -80,7 +80,9 @@ def _gpus() -> list[tuple[str, str]]:
     else:
         tma = "yes: the forward and dQ load q, k, v through the copy engine on large enough problems"
     rows.append(("tensor descriptors", tma))
-    rows.append(("hopper kernels", "none in this maskc: Hopper runs the Triton kernels, with tensor descriptors"))
+    gluon = major == 9 and hopper.available()
+    rows.append(("hopper kernels", "yes: the Gluon forward and dK/dV kernels run where they measured faster "
+                 "(MASKC_GLUON)" if gluon else "no: they need an sm_90 GPU and a Triton with Gluon's Hopper module"))
     return rows
 
 

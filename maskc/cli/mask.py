@@ -15,6 +15,7 @@ from maskc.errors import MaskcError
 from maskc.plot import plot_block_map
 from maskc.runtime.api import compile as compile_kernel
 from maskc.runtime.kernel import kernel_for
+from maskc.trace import symbols as S
 
 DEFAULT_LENGTH = 8192
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64,
@@ -94,6 +95,11 @@ def run_show(args) -> int:
     if args.png and not Path(args.png).resolve().parent.is_dir():
         raise UsageError(f"--png {args.png}: no folder {Path(args.png).resolve().parent}; name a file in a folder "
                          f"that exists")
+    reads = mask.traced.expr.free_symbols if mask is not None else set()
+    for symbol, given, count, index in ((S.B, args.batch, "--batch B", "--b"), (S.H, args.heads, "--heads H", "--h")):
+        if symbol in reads and given is None:
+            raise UsageError(f"mask {args.mask!r} reads {symbol}, so its block map differs per {symbol}; pass "
+                             f"{count} (and {index} to pick which one to draw)")
     start = time.perf_counter()
     try:
         bm = block_map(mask, q_len, kv_len, block_size=args.block_size, B=args.batch, H=args.heads)

@@ -106,6 +106,11 @@ state.register(__name__, "_failures", "why each kind of Gluon kernel failed in t
 _misfits = state.lru(__name__, "_misfits", "the mods, head dims and dtypes whose Gluon kernel did not fit the GPU", 256)
 
 
+def available() -> bool:
+    """Whether this Triton has Gluon's Hopper module, which the Gluon kernels need."""
+    return _gluon() is not None
+
+
 @functools.cache
 def _gluon():
     """Gluon's host-side descriptor, its shared layout and its dtypes, or None where this Triton has
