@@ -618,7 +618,14 @@ def test_infinite_window_in_a_mask_works(monkeypatch, window):
 def test_infinity_that_does_not_fold_is_refused(monkeypatch):
     monkeypatch.setattr(THIS, "WINDOW", float("inf"))
     with pytest.raises(ValueError, match="mask_mod '<lambda>' captures WINDOW = inf, used where it does not fold"):
-        maskc.mask_mod(lambda b, h, q_idx, kv_idx: q_idx % WINDOW >= kv_idx)
+        maskc.mask_mod(lambda b, h, q_idx, kv_idx: q_idx * WINDOW >= kv_idx)  # 0 * inf: nan at q_idx 0
+
+
+def test_a_remainder_by_infinity_folds_as_torch_computes_it(monkeypatch):
+    # q_idx % inf is q_idx for q_idx >= 0 (tests/test_trust_leftovers.py runs it against torch)
+    monkeypatch.setattr(THIS, "WINDOW", float("inf"))
+    assert maskc.mask_mod(lambda b, h, q_idx, kv_idx: q_idx % WINDOW >= kv_idx).traced.signature == \
+        maskc.masks.causal.traced.signature
 
 
 def test_negative_infinity_in_a_score_mod_works():
