@@ -285,9 +285,6 @@ def test_image_token_masks_match_reference(model_type):
 # refusals: the error names the feature (or the model's own use of the mask) and the way out
 
 REFUSALS = {
-    "gpt_oss": (dict(BASE, **SLIDING, num_local_experts=2, num_experts_per_tok=1), NotImplementedError,
-                r"does not take attention sinks yet, got s_aux; use attn_implementation='eager' or 'sdpa'"),
-    "mimo_v2_flash": (dict(BASE), NotImplementedError, r"attention sinks yet, got s_aux"),
     "inkling_text": (dict(BASE), NotImplementedError,
                      r"does not take a position bias tensor \(T5-style\) yet, got position_bias; use "
                      r"attn_implementation='eager' or 'sdpa'"),

@@ -26,6 +26,7 @@ from maskc.runtime import launch
 from maskc.runtime import plan as planning
 from maskc.runtime import state, tiles
 from maskc.runtime.dtypes import accumulator
+from maskc.runtime.sinks import check_sinks, with_sinks
 from maskc.trace.mods import MaskMod, ScoreMod, as_score_mod
 
 _RINGS = 8  # the score mods a plan keeps the pair mods and Problems of
@@ -49,7 +50,7 @@ state.register(__name__, "_LIVE", "each live ring's Problems, pair mods and call
 # autograd links the compiled parts on either side through it.
 @torch.compiler.disable
 def attention(q, k, v, plan: ContextParallelPlan, *, score_mod=None, scale=None, enable_gqa=False,
-              return_lse=False):
+              return_lse=False, sinks=None):
     """Attention of this rank's query shard over the whole sequence, whose keys and values are
     sharded over the plan's group; differentiable in q, k, v (and a score mod's captured tensors).
 
@@ -59,6 +60,9 @@ def attention(q, k, v, plan: ContextParallelPlan, *, score_mod=None, scale=None,
     group calls it (and its backward) together, alike but for its shard: each call compares the
     ranks' calls with one 8-byte all-reduce, and where they differ (shapes, dtype, scale,
     score_mod, plan) or one rank's own checks fail, every rank raises.
+    sinks [Hq], attention sinks as compiled_attention's, join each row once, after the ring's
+    merge; every rank passes the same sinks, and their gradient is summed over the group, as a
+    captured tensor's.
 
     >>> plan = maskc.distributed.plan(maskc.masks.causal, seq_len)
     >>> out = maskc.distributed.attention(plan.shard(q), plan.shard(k), plan.shard(v), plan)
@@ -78,17 +82,23 @@ def attention(q, k, v, plan: ContextParallelPlan, *, score_mod=None, scale=None,
         score = as_score_mod(score_mod)
         traced = score.traced if score is not None else None  # re-traced where its guards fail, which may refuse
         scale = planning.softmax_scale(scale, q.shape[3])
+        if sinks is not None:
+            check_sinks(sinks, q)
     except (MaskcError, ValueError, TypeError) as error:
         # the other ranks wait in this call's exchange: answer them, so that they raise too
         raise agree.refused(plan, error)
     ring = _Ring.of(plan, score)
     captured = tuple(t for t in (traced.tensors if traced is not None else ()) if t.requires_grad)
     differentiable = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or bool(captured))
-    ring.agree(traced, q, k, v, scale, differentiable)
+    sinks_grad = sinks is not None and torch.is_grad_enabled() and sinks.requires_grad
+    # a backward that sums the sinks' gradient is a collective too: every rank must record it
+    ring.agree(traced, q, k, v, scale, differentiable or sinks_grad)
     if differentiable:
         out, lse = _RingFunction.apply(q, k, v, ring, scale, *captured)
     else:
         out, lse = ring.forward(q, k, v, scale, differentiable=False)
+    if sinks is not None:
+        out, lse = with_sinks(out, lse, _SummedOverGroup.apply(sinks, plan.group) if sinks_grad else sinks)
     return (out, lse) if return_lse else out
 
 
@@ -376,6 +386,22 @@ def _packed(t, spans):
     if len(spans) == 1 and spans[0] == (0, t.shape[2]):
         return t.contiguous()
     return torch.cat([t[:, :, offset:offset + length] for offset, length in spans], dim=2)
+
+
+class _SummedOverGroup(torch.autograd.Function):
+    """The identity, whose gradient is summed over the group: each rank's rows give their own
+    share of the gradient of a tensor every rank shares (the sinks)."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
 
 
 class _RingFunction(torch.autograd.Function):

@@ -236,7 +236,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention interface for maskc: query [B, Hq, Lq, D], key and value
     [B, Hkv, Lkv, D] (grouped-query attention when Hkv < Hq) with the LayerMask of layer_mask();
     returns (output [B, Lq, Hq, Dv], None): maskc never forms the attention weights.
-    `softcap` (Gemma 2's attn_logit_softcapping) becomes a score_mod. `sliding_window` is
+    `softcap` (Gemma 2's attn_logit_softcapping) becomes a score_mod, and `s_aux` (gpt-oss's
+    sinks parameter, one logit per query head) maskc's sinks. `sliding_window` is
     already in the LayerMask (it is read only where a layer gets no mask); the flash-attention
     keywords (cu_seq_lens, position_ids) are ignored.
     """
@@ -244,14 +245,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError(f"maskc attention has no dropout, got dropout={dropout} (the model's attention_dropout "
                          f"while training); set config.attention_dropout = 0.0, or train with another "
                          f"attn_implementation")
-    for name, what in (("s_aux", "attention sinks"), ("position_bias", "a position bias tensor (T5-style)"),
+    for name, what in (("position_bias", "a position bias tensor (T5-style)"),
                        ("cache", "a paged cache (continuous batching)")):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"maskc attention does not take {what} yet, got {name}; use "
                                       f"attn_implementation='eager' or 'sdpa' for this model")
     out = maskc.compiled_attention(query, key, value, mask_mod=_mask_mod(module, attention_mask, query, key, kwargs),
                                    score_mod=_softcap(softcap) if softcap else None, scale=scaling,
-                                   enable_gqa=query.shape[1] != key.shape[1])
+                                   enable_gqa=query.shape[1] != key.shape[1], sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
 
 

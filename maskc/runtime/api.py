@@ -10,6 +10,7 @@ from maskc.runtime import launch, ops, plan
 from maskc.runtime.autograd import AttentionFunction, NoPairs
 from maskc.runtime.dtypes import DTYPES
 from maskc.runtime.kernel import CompiledKernel, kernel_for
+from maskc.runtime.sinks import check_sinks, with_sinks
 from maskc.inference.paged import PagedKVCache
 from maskc.runtime.tiles import check_block_size
 from maskc.trace.mods import MaskMod, ScoreMod, as_mask_mod, as_score_mod
@@ -45,7 +46,8 @@ def captured_need_grad(mask_mod, score_mod) -> bool:
 
 
 def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enable_gqa=False, return_lse=False,
-                       block_map: BlockMap | None = None, kv_lens: torch.Tensor | None = None):
+                       block_map: BlockMap | None = None, kv_lens: torch.Tensor | None = None,
+                       sinks: torch.Tensor | None = None):
     """Attention with a specialised, tile-skipping kernel; differentiable in q, k and v.
 
     q [B, Hq, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv] (FlexAttention's shapes); k and
@@ -73,24 +75,37 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
     built over Lkv × Lkv positions. Few query rows (Lq · Hq/Hkv <= 64) without gradients
     take the split-KV decoding kernel.
 
+    sinks, a float tensor [Hq] that may require grad, is one logit per query head (gpt-oss's
+    attention sinks) that joins every row's softmax denominator and carries no value: per row,
+    out = Σ_j e^{s_j} v_j / (Σ_j e^{s_j} + e^{sinks[h]}) and lse = log(Σ_j e^{s_j} + e^{sinks[h]}),
+    s_j the scaled, score-modded scores of the kept keys; the sink logit itself is neither scaled
+    nor score-modded. A row with no kept key gives out 0 and lse sinks[h]. Its gradient flows
+    with or without kv_lens.
+
     >>> out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.sliding_window(1024))
     >>> out = maskc.compiled_attention(q_step, k_cache, v_cache, mask_mod=maskc.masks.causal, kv_lens=lens)
+    >>> out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal, sinks=module.sinks)
     """
     if torch.compiler.is_compiling():
         if plain_function(mask_mod, score_mod):
             return _compiled_attention_outside_graph(q, k, v, mask_mod, score_mod, scale, enable_gqa, return_lse,
-                                                   block_map, kv_lens)
+                                                   block_map, kv_lens, sinks)
         if kv_lens is None and captured_need_grad(mask_mod, score_mod):
             return _compiled_attention_for_gradients(q, k, v, mask_mod, score_mod, scale, enable_gqa, return_lse,
-                                                     block_map)
-        # Dynamo traces this branch alone: maskc's Python runs inside the operators (runtime/ops.py)
+                                                     block_map, sinks=sinks)
+        # Dynamo traces this branch alone: maskc's Python runs inside the operators (runtime/ops.py),
+        # and the sinks' epilogue in the graph, outside them
+        if sinks is not None:
+            check_sinks(sinks, q)
         if kv_lens is not None:
             out, lse = ops.decode(q, k, v, kv_lens, mask_mod, score_mod, scale, enable_gqa, block_map)
         else:
             differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
             out, lse = ops.attention(q, k, v, mask_mod, score_mod, scale, enable_gqa, block_map, differentiable)
-        return (out, lse) if return_lse else out
+        return _result(out, lse, sinks, return_lse)
     plan.check_tensors(q, k, v, enable_gqa)
+    if sinks is not None:
+        check_sinks(sinks, q)
     mask, score = plan.mask_of_call(as_mask_mod(mask_mod), block_map), as_score_mod(score_mod)
     B, Hq, Lq, D = q.shape
     if k.shape[0] != B:
@@ -100,14 +115,14 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
                                                   or plan.captured_need_grad(mask, score))
     if 0 in (B, Hq, Lq, k.shape[2]):
         out, lse = NoPairs.apply(q, k, v) if differentiable else launch.no_pairs(q, v)
-        return (out, lse) if return_lse else out
+        return _result(out, lse, sinks, return_lse)
     if kv_lens is not None or decode.wanted(q, k, differentiable, block_map):
         if differentiable:
             raise NotImplementedError("kv_lens is for decoding and chunked prefill, which maskc runs without "
                                       "gradients; call it under torch.no_grad(), or detach q, k, v and the mods' "
                                       "captured tensors")
         out, lse = decode.contiguous(q, k, v, mask, score, scale, kv_lens, block_map)
-        return (out, lse) if return_lse else out
+        return _result(out, lse, sinks, return_lse)
     if block_map is not None:
         problem = plan.given(q, k, v, mask, score, scale, block_map)
     else:
@@ -116,11 +131,18 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
         out, lse = AttentionFunction.apply(q, k, v, problem, *problem.grad_tensors)
     else:
         out, lse = launch.forward(q, k, v, problem)
+    return _result(out, lse, sinks, return_lse)
+
+
+def _result(out, lse, sinks, return_lse: bool):
+    """What an entry point returns from its kernels' (out, lse): the one place sinks join."""
+    if sinks is not None:
+        out, lse = with_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 
 def paged_attention(q, cache: PagedKVCache, seq_ids, *, mask_mod=None, score_mod=None, scale=None,
-                    enable_gqa=False, return_lse=False):
+                    enable_gqa=False, return_lse=False, sinks: torch.Tensor | None = None):
     """Attention of q over the sequences `seq_ids` of a paged cache, without gradients.
 
     q [B, Hq, Lq, D] holds the queries of the last Lq tokens of each listed sequence, whose
@@ -128,7 +150,8 @@ def paged_attention(q, cache: PagedKVCache, seq_ids, *, mask_mod=None, score_mod
     As with compiled_attention's kv_lens, query i of sequence b sits at position
     lens[slot] - Lq + i and mask_mod and score_mod see logical positions (b is the index in
     this batch). A step does no host synchronisation and allocates only its outputs, so it
-    can be captured in a CUDA graph once a first call has planned it.
+    can be captured in a CUDA graph once a first call has planned it. sinks [Hq] are attention
+    sinks, as compiled_attention's (their gradient flows; q's and the cache's do not).
 
     >>> cache.append(seq_ids, k_new, v_new)
     >>> out = maskc.paged_attention(q, cache, seq_ids, mask_mod=maskc.masks.causal, enable_gqa=True)
@@ -138,13 +161,18 @@ def paged_attention(q, cache: PagedKVCache, seq_ids, *, mask_mod=None, score_mod
     if torch.compiler.is_compiling():
         if plain_function(mask_mod, score_mod):
             return _paged_attention_outside_graph(q, cache, seq_ids, mask_mod=mask_mod, score_mod=score_mod,
-                                                   scale=scale, enable_gqa=enable_gqa, return_lse=return_lse)
+                                                   scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                                                   sinks=sinks)
+        if sinks is not None:
+            check_sinks(sinks, q)
         out, lse = ops.paged(q, cache.k_pages, cache.v_pages, cache.page_table, cache.lens, seq_ids, cache.page_size,
                              mask_mod, score_mod, scale, enable_gqa)
-        return (out, lse) if return_lse else out
+        return _result(out, lse, sinks, return_lse)
+    if sinks is not None:
+        check_sinks(sinks, q)
     out, lse = decode.paged(q, cache.k_pages, cache.v_pages, cache.page_table, cache.lens, seq_ids, cache.page_size,
                             as_mask_mod(mask_mod), as_score_mod(score_mod), scale, enable_gqa)
-    return (out, lse) if return_lse else out
+    return _result(out, lse, sinks, return_lse)
 
 
 _compiled_attention_outside_graph = outside_graph(compiled_attention, PLAIN_FUNCTION)

@@ -55,11 +55,14 @@ def dense_tiles(mask: torch.Tensor, block_size) -> torch.Tensor:
     return torch.where(all_kept, 2, torch.where(any_kept, 1, 0)).to(torch.int8)
 
 
-def attention_reference(q, k, v, mask_mod=None, score_mod=None, scale=None, enable_gqa=False):
+def attention_reference(q, k, v, mask_mod=None, score_mod=None, scale=None, enable_gqa=False, sinks=None):
     """(out, lse) in float64 by the definition, with FlexAttention's semantics.
 
     q [B, Hq, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv]. Fully masked rows give
     out = 0 and lse = -inf. `lse` is the natural-log sum of exp of the modified scores.
+    `sinks` [Hq], one logit per query head, is one more column of every row's scores, not
+    scaled, not score-modded, never masked, with no value: a fully masked row then gives
+    out = 0 and lse = sinks[h].
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lkv = k.shape[1], k.shape[2]
@@ -78,6 +81,8 @@ def attention_reference(q, k, v, mask_mod=None, score_mod=None, scale=None, enab
     if mask_mod is not None:
         keep = dense_mask(mask_mod, Lq, Lkv, B, Hq, device=dev)
         scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double()[None, :, None, None].expand(B, Hq, Lq, 1)], dim=-1)
     # Rows with nothing kept (masked, or every score -inf from the score_mod) take zeros before
     # logsumexp: its gradient over a row of -inf is 0/0, which would make dq and dk NaN
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
@@ -87,13 +92,15 @@ def attention_reference(q, k, v, mask_mod=None, score_mod=None, scale=None, enab
     # lowest (transformers' finfo.min padding) whole, as lse's rounding there absorbs log(n)
     # and made each weight 1, the row the sum of v instead of its mean
     probs = torch.softmax(kept, dim=-1).masked_fill(empty, 0.0)
+    if sinks is not None:
+        probs = probs[..., :-1]  # the sink's share of the row goes to no value
     return torch.einsum("bhqk,bhkd->bhqd", probs, v), lse
 
 
-def decode_reference(q, k, v, kv_lens, mask_mod=None, score_mod=None, scale=None, enable_gqa=False):
+def decode_reference(q, k, v, kv_lens, mask_mod=None, score_mod=None, scale=None, enable_gqa=False, sinks=None):
     """(out, lse) in float64 for compiled_attention's kv_lens: the Lq queries of sequence b sit
     at positions kv_lens[b] - Lq + i and see keys below kv_lens[b]; a query before position 0
-    gives out 0 and lse -inf."""
+    gives out 0 and lse -inf (sinks[h] with `sinks`, as attention_reference's)."""
     B, Hq, Lq, D = q.shape
     Lkv = k.shape[2]
     lens = [min(max(int(n), 0), Lkv) for n in kv_lens]  # as the kernel clamps them
@@ -107,9 +114,10 @@ def decode_reference(q, k, v, kv_lens, mask_mod=None, score_mod=None, scale=None
         keep = kv_idx < ends[b]
         return keep if mask_mod is None else keep & mask_mod(b, h, q_idx, kv_idx)
 
-    out_all, lse_all = attention_reference(placed, k, v, within, score_mod, scale, enable_gqa)
+    out_all, lse_all = attention_reference(placed, k, v, within, score_mod, scale, enable_gqa, sinks)
     out = out_all.new_zeros((B, Hq, Lq, v.shape[3]))
-    lse = lse_all.new_full((B, Hq, Lq), float("-inf"))
+    lse = (lse_all.new_full((B, Hq, Lq), float("-inf")) if sinks is None
+           else sinks.double()[None, :, None].expand(B, Hq, Lq).clone())
     for b, n in enumerate(lens):
         first = max(n - Lq, 0)
         out[b, :, Lq - (n - first):] = out_all[b, :, first:n]
