@@ -26,7 +26,7 @@ import torch
 from maskc.analysis.blockmap import BlockMap
 from maskc.analysis.build import row_wise
 from maskc.errors import MaskcError
-from maskc.runtime import plan, state, tiles
+from maskc.runtime import capture, plan, state, tiles
 from maskc.runtime.dtypes import dot_precision, interpreter_safe, triton_accumulator
 from maskc.runtime.kernel import CompiledKernel, kernel_for
 from maskc.runtime.launch import LaunchPlan, no_pairs, outputs
@@ -272,6 +272,38 @@ def check_slots(seq_ids, q, num_slots: int) -> torch.Tensor:
                                owner="q", batch=q.shape[0], within=(-1, num_slots))
 
 
+def replayable(q, k, v, mask_mod, score_mod, scale, kv_lens):
+    """contiguous() with kv_lens for a call whose plan depends on its shapes alone: mods that
+    capture no tensor and no number, and no block map. What a CUDA graph of it replays (the
+    `maskc::decode_replayable` operator) is then right for any kv_lens and any inputs of those
+    shapes. The plan is built outside the graph's memory pool and kept for the process, since a
+    recorded graph reads its tables with no Python running."""
+    traces = plan.traces_of(mask_mod, score_mod)
+    for t in traces:
+        if t is not None and (t.tensors or t.params):
+            raise MaskcError(f"a CUDA graph of maskc's decoding replays the plan of its recording, so the replayable "
+                             f"operator takes only mods whose plan depends on shapes alone, got {t.kind} '{t.name}' "
+                             f"capturing {len(t.tensors)} tensor(s) and {len(t.params)} number(s) ({t.expr}); pass "
+                             f"positions through kv_lens, or call compiled_attention, whose operator runs outside "
+                             f"CUDA graphs")
+    lens = check_lens(kv_lens, q, k)
+    kv_shape = (k.shape[1], k.shape[2], q.shape[3], v.shape[3])
+    # (the plan holds the traces, so their ids stay theirs)
+    key = (*map(id, traces), q.dtype, q.device, q.shape, kv_shape, scale)
+    found = REPLAYED.get(key)
+    if found is None:
+        found = REPLAYED[key] = capture.outside_graph_pool(
+            lambda: problem(q, kv_shape, mask_mod, score_mod, scale, lens=True), q.device)
+    return run(found, q, k, v, kv_lens=lens)
+
+
+# The plans replayable() ran, which recorded CUDA graphs may read: never dropped.
+REPLAYED: dict = {}
+state.register(__name__, "REPLAYED", "the decoding plan of each call signature run by the replayable decoding operator",
+               "one entry per signature, kept for the process (not cleared): a recorded CUDA graph reads its "
+               "tables", size=lambda: len(REPLAYED), clear=None)
+
+
 # -- launches --------------------------------------------------------------------------------
 # each tensor's stride parameters: q and out over (b, h, m, d), k and v over (b, h, n, d)
 _STRIDES = {name: tuple(f"stride_{name}{c}" for c in ("bhmd" if name in "qo" else "bhnd")) for name in "qkvo"}
@@ -352,5 +384,5 @@ def _plans(problem: Decode, lens: bool, paged: bool, slots: bool, page_size: int
     return plan_
 
 
-__all__ = ["Decode", "MAX_ROWS", "check_lens", "check_slots", "choose_splits", "contiguous", "paged", "problem", "run",
-           "wanted"]
+__all__ = ["Decode", "MAX_ROWS", "REPLAYED", "check_lens", "check_slots", "choose_splits", "contiguous", "paged",
+           "problem", "replayable", "run", "wanted"]

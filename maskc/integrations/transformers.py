@@ -43,6 +43,11 @@ class LayerMask:
     mask_mod: maskc.MaskMod
     q_len: int
     kv_len: int
+    # A static cache's decoding step: the keys are the whole cache, and kv_lens [B] (int32, on
+    # the device) counts the tokens in it, this step's included; mask_mod then sees the
+    # positions that compiled_attention's kv_lens gives (query i at kv_lens - q_len + i), so
+    # it captures no offset and the step's plan depends on shapes alone (CUDA graphs replay it).
+    kv_lens: torch.Tensor | None = None
 
     # With a static cache, generate() builds each step's masks ahead of the forward pass, calls
     # contiguous() on them and hands them to the model, whose mask preparation passes on a mask
@@ -121,6 +126,8 @@ def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     """
     if isinstance(attention_mask, LayerMask):  # built ahead by generate() for this step
         return attention_mask
+    if isinstance(q_offset, torch.Tensor) and kv_offset == 0 and q_length <= _STEP_QUERIES:
+        return _static_step(batch_size, q_length, kv_length, q_offset, mask_function, attention_mask)
     # a static cache gives the offset as a 0-d tensor (so that compiled graphs need not read it);
     # the trace needs a Python number, which becomes a kernel argument
     q_offset = int(q_offset)
@@ -133,6 +140,24 @@ def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     return LayerMask(_StepMask.of(mask_function, padding, q_offset, kv_offset), q_length, kv_length)
 
 
+# The longest query of a static cache's step that layer_mask() hands to the decoding path
+# (kv_lens); a prefill into the cache keeps its offsets and the prefill kernel.
+_STEP_QUERIES = 8
+
+
+def _static_step(batch_size: int, q_length: int, kv_length: int, q_offset: torch.Tensor, mask_function,
+                 attention_mask) -> LayerMask:
+    """The LayerMask of a static cache's decoding step: the offset stays on the device, as the
+    step's kv_lens (q_offset + q_length for every sequence), and reading it waits for nothing.
+    Padded keys (a 2-d attention_mask with zeros) stay a captured tensor; the cache's slots past
+    the mask are left to kv_lens."""
+    padding = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        padding = F.pad(attention_mask, (0, max(0, kv_length - attention_mask.shape[-1])), value=1).bool()
+    lens = (q_offset.reshape(1) + q_length).to(torch.int32).repeat(batch_size)
+    return LayerMask(_StepMask.of(mask_function, padding, 0, 0, at_lens=True), q_length, kv_length, lens)
+
+
 # (torch.compiler.disable's decorator takes reason= from torch 2.8 only: outside_graph decides)
 _TRACED_IN_PYTHON = "maskc traces the model's mask function in Python, once per forward pass"
 layer_mask = outside_graph(layer_mask, _TRACED_IN_PYTHON)
@@ -141,12 +166,15 @@ layer_mask = outside_graph(layer_mask, _TRACED_IN_PYTHON)
 def _last_queries(mask: LayerMask, first: int, n: int) -> LayerMask:
     """`mask` for its queries first .. first + n - 1: the same mask function, padding and keys,
     the queries' offset moved on (a MaskMod of its own, as any mask built elsewhere)."""
+    if mask.kv_lens is not None:  # the last n queries sit at kv_lens - n + i: the same mask
+        return LayerMask(mask.mask_mod, n, mask.kv_len, mask.kv_lens)
     step = mask.mask_mod.fn
     return LayerMask(_StepMask.of(step.mask_function, step.padding, step.q_offset + first, step.kv_offset), n,
                      mask.kv_len)
 
 
 _last_queries = outside_graph(_last_queries, _TRACED_IN_PYTHON)
+_static_step = outside_graph(_static_step, _TRACED_IN_PYTHON)
 
 
 class _StepMask:
@@ -171,13 +199,15 @@ class _StepMask:
         self.q_offset, self.kv_offset = q_offset, kv_offset
 
     @classmethod
-    def of(cls, mask_function, padding, q_offset: int, kv_offset: int) -> maskc.MaskMod:
+    def of(cls, mask_function, padding, q_offset: int, kv_offset: int, at_lens: bool = False) -> maskc.MaskMod:
+        """The MaskMod of this structure and place, rebound to these values; `at_lens`: for a call
+        with kv_lens, whose positions carry the offsets (_AtLens)."""
         table = cls._interned.__dict__.setdefault("table", {})
-        key = (_structure(mask_function), padding is None, _call_site())
+        key = (_structure(mask_function), padding is None, at_lens, _call_site())
         found = table.get(key)
         if found is None:
-            found = table[key] = maskc.MaskMod(cls(mask_function, padding, q_offset, kv_offset),
-                                               name="transformers_mask")
+            made = (_AtLens if at_lens else cls)(mask_function, padding, q_offset, kv_offset)
+            found = table[key] = maskc.MaskMod(made, name="transformers_mask")
         else:
             step = found.fn
             step.mask_function, step.padding, step.q_offset, step.kv_offset = (mask_function, padding, q_offset,
@@ -188,6 +218,15 @@ class _StepMask:
         kv = kv_idx + self.kv_offset
         kept = self.mask_function(b, h, q_idx + self.q_offset, kv)
         return kept if self.padding is None else kept & self.padding[b, kv]
+
+
+class _AtLens(_StepMask):
+    """A _StepMask read at the positions kv_lens gives: it adds no offset, so that its trace
+    captures no number (and, without padding, nothing at all)."""
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        kept = self.mask_function(b, h, q_idx, kv_idx)
+        return kept if self.padding is None else kept & self.padding[b, kv_idx]
 
 
 def _call_site() -> tuple:
@@ -252,7 +291,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                       f"attn_implementation='eager' or 'sdpa' for this model")
     out = maskc.compiled_attention(query, key, value, mask_mod=_mask_mod(module, attention_mask, query, key, kwargs),
                                    score_mod=_softcap(softcap) if softcap else None, scale=scaling,
-                                   enable_gqa=query.shape[1] != key.shape[1], sinks=kwargs.get("s_aux"))
+                                   enable_gqa=query.shape[1] != key.shape[1], sinks=kwargs.get("s_aux"),
+                                   kv_lens=attention_mask.kv_lens if isinstance(attention_mask, LayerMask) else None)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -25,6 +25,7 @@ without gradients.
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
 import weakref
@@ -58,6 +59,15 @@ state.register(__name__, "_serials", "the token of each live plan run by the tor
 _forwards = state.lru(__name__, "_forwards", "the plans of the latest forwards under torch.compile, by token, for "
                       "their backwards", _PENDING)
 _counter = itertools.count()
+
+# The operators whose every call must run their Python: they read the mods' captured values, a
+# block map's or cache's state and the plan caches when they run, which a CUDA graph's replay
+# would skip, replaying the values of its recording. Tagged so, Inductor's CUDA graphs
+# (mode="reduce-overhead", transformers' static-cache generate()) leave them out of the graph
+# and run them between its parts (graph partition), or skip CUDA graphs where partitioning is off.
+# (custom_op takes tags from torch 2.8.)
+_PYTHON_EACH_CALL = ({"tags": (torch.Tag.cudagraph_unsafe,)}
+                     if "tags" in inspect.signature(torch.library.custom_op).parameters else {})
 
 
 def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map, differentiable: bool):
@@ -104,7 +114,7 @@ def _key(mod, kind, what: str, fix: str | None = None) -> str:
 
 
 # -- forward ---------------------------------------------------------------------------------
-@torch.library.custom_op("maskc::attention", mutates_args=())
+@torch.library.custom_op("maskc::attention", mutates_args=(), **_PYTHON_EACH_CALL)
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, score_key: str,
              map_handle: torch.Tensor | None, scale: float | None, enable_gqa: bool,
              flex_tiles: list[torch.Tensor], flex_layout: list[int],
@@ -192,12 +202,17 @@ def _found(key, find):
 
 # -- decoding --------------------------------------------------------------------------------
 def decode(q, k, v, kv_lens, mask_mod, score_mod, scale, enable_gqa: bool, block_map):
-    """(out, lse) of compiled_attention with kv_lens through `maskc::decode`, as `attention`."""
+    """(out, lse) of compiled_attention with kv_lens through `maskc::decode`, as `attention`;
+    through `maskc::decode_replayable` where the call's plan depends on its shapes alone (no
+    block map, mods that capture nothing), which CUDA graphs may then record."""
     mask_mod = plan.mask_of_call(mask_mod, block_map)
-    keys = (_key(mask_mod, MaskMod, "mask_mod"), _key(score_mod, ScoreMod, "score_mod"),
-            block_map.handle if block_map is not None else None)
+    keys = (_key(mask_mod, MaskMod, "mask_mod"), _key(score_mod, ScoreMod, "score_mod"))
     _refuse_traced_captured_gradients(mask_mod, score_mod)  # decoding has no gradients at all
-    return torch.ops.maskc.decode(q, k, v, kv_lens, *keys, None if scale is None else float(scale), enable_gqa)
+    scale = None if scale is None else float(scale)
+    if block_map is None and all(mod is None or mod.captures_nothing for mod in (mask_mod, score_mod)):
+        return torch.ops.maskc.decode_replayable(q, k, v, kv_lens, *keys, scale, enable_gqa)
+    return torch.ops.maskc.decode(q, k, v, kv_lens, *keys, block_map.handle if block_map is not None else None,
+                                  scale, enable_gqa)
 
 
 def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_mod, score_mod, scale,
@@ -209,7 +224,7 @@ def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_m
                                            None if scale is None else float(scale), enable_gqa)
 
 
-@torch.library.custom_op("maskc::decode", mutates_args=())
+@torch.library.custom_op("maskc::decode", mutates_args=(), **_PYTHON_EACH_CALL)
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, mask_key: str, score_key: str,
             map_handle: torch.Tensor | None, scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
     mask, score, block_map, k, v = _inputs(mask_key, score_key, map_handle, q, k, v)
@@ -226,7 +241,21 @@ def _decode_fake(q, k, v, kv_lens, mask_key, score_key, map_handle, scale, enabl
     return launch.outputs(q, v.shape[3])
 
 
-@torch.library.custom_op("maskc::paged_attention", mutates_args=())
+@torch.library.custom_op("maskc::decode_replayable", mutates_args=())
+def _decode_replayable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, mask_key: str,
+                       score_key: str, scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    mask, score, _, k, v = _inputs(mask_key, score_key, None, q, k, v)
+    if 0 in q.shape[:3] or k.shape[2] == 0:
+        return launch.no_pairs(q, v)
+    return decoding.replayable(q, k, v, mask, score, scale, kv_lens)
+
+
+@_decode_replayable.register_fake
+def _decode_replayable_fake(q, k, v, kv_lens, mask_key, score_key, scale, enable_gqa):
+    return _decode_fake(q, k, v, kv_lens, mask_key, score_key, None, scale, enable_gqa)
+
+
+@torch.library.custom_op("maskc::paged_attention", mutates_args=(), **_PYTHON_EACH_CALL)
 def _paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
            lens: torch.Tensor, seq_ids: torch.Tensor, page_size: int, mask_key: str, score_key: str,
            scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +270,7 @@ def _paged_fake(q, k_pages, v_pages, page_table, lens, seq_ids, page_size, mask_
 
 
 # -- backward --------------------------------------------------------------------------------
-@torch.library.custom_op("maskc::attention_backward", mutates_args=())
+@torch.library.custom_op("maskc::attention_backward", mutates_args=(), **_PYTHON_EACH_CALL)
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
               token: torch.Tensor, d_out: torch.Tensor | None,
               d_lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -45,6 +45,9 @@ class _Mod:
         # (re-checking guards) nor read the tensors (Dynamo would guard on each): whether a
         # captured tensor required grad when the mod was last traced.
         self.captured_requires_grad = any(t.requires_grad for t in traced.tensors)
+        # Likewise: whether that trace captured neither a tensor nor a number, so that the plans
+        # of a call depend on its shapes alone (a CUDA graph may replay them: runtime/ops.py).
+        self.captures_nothing = not traced.tensors and not traced.params
         return traced
 
     def __call__(self, *args):

@@ -121,3 +121,30 @@ def test_eager_compiled_and_replayed_calls_agree_bitwise(lq, kv_lens):
     for how, got in (("compiled", compiled), ("replayed", replayed)):
         for name, a, b in zip(("out", "lse"), got, eager):
             assert torch.equal(a, b), f"{how}: {name} differs from the eager call by {(a - b).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("mask", ["causal", "document"])
+def test_reduce_overhead_steps_follow_kv_lens(mask):
+    """torch.compile(mode="reduce-overhead") records CUDA graphs of a decoding loop whose lengths
+    change every step. A causal mask captures nothing, so its operator is recorded and replayed;
+    a document mask reads a captured tensor, so its operator runs between the graph's parts. Both
+    give every step's eager bits."""
+    B, Hq, Hkv, L, D = 2, 8, 2, 512, 64
+    torch._dynamo.reset()
+    gen = torch.Generator("cuda").manual_seed(3)
+    k, v = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "kv")
+    mod = (maskc.masks.causal if mask == "causal" else
+           maskc.masks.document(torch.arange(L, device="cuda") // 100, causal=True))
+
+    def step(q, lens):
+        return maskc.compiled_attention(q * 1.0, k, v, mask_mod=mod, enable_gqa=True, kv_lens=lens, return_lse=True)
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for n in range(100, 112):
+            q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+            lens = torch.tensor([n, n + 250], dtype=torch.int32, device="cuda")
+            got = [t.clone() for t in compiled(q, lens)]
+            want = step(q, lens)
+            for name, a, b in zip(("out", "lse"), got, want):
+                assert torch.equal(a, b), f"step {n}: {name} differs by {(a.float() - b.float()).abs().max():.3g}"

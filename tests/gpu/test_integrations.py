@@ -211,3 +211,18 @@ def test_transformers_compiled(llamas, fresh_dynamo):
         torch.testing.assert_close(a[mask.bool()], b[mask.bool()], rtol=1e-3, atol=1e-3)
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert graphs[0] == graphs[-1], f"recompiled for new padding: unique graphs {graphs}"
+
+
+@pytest.mark.parametrize("batch, pad", [(1, 0), (4, 0), (4, 9)], ids=["batch 1", "batch 4", "batch 4, left padding"])
+def test_transformers_static_cache_compiled_generate(llamas, fresh_dynamo, batch, pad):
+    """transformers' fast path: a static cache, the forward compiled with CUDA graphs
+    (mode="reduce-overhead"); the greedy tokens are SDPA's on the same path."""
+    ours, theirs = llamas
+    ids, mask = _ids_and_padding(pad)
+    ids, mask = ids[:1].expand(batch, -1)[:, :64].clone(), mask[1:].expand(batch, -1)[:, :64].clone()
+    outs = []
+    for model in (ours, theirs):
+        torch._dynamo.reset()
+        outs.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12,
+                                   do_sample=False, cache_implementation="static"))
+    assert torch.equal(*outs), "generated tokens differ"
