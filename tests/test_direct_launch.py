@@ -68,3 +68,16 @@ def test_values_that_would_specialise_otherwise_take_tritons_path(plan, change):
     plan.device[0] = 0
     plan(x, y, 1)  # the direct launcher stays for the values it was made for
     assert plan.calls[-1][0] == "direct"
+
+
+@pytest.mark.parametrize("first, then, direct", [(32, 4096, True), (24, 40, True), (17, 3, True), (32, 40, False),
+                                                  (2, 1, False), (48, 2**31, False)],
+                         ids=["both multiples of 16", "neither", "odd", "divisibility differs", "one",
+                              "past int32"])
+def test_another_int_goes_direct_where_triton_specialises_it_alike(plan, first, then, direct):
+    """A cache that grows a token a step gives the decoding launch new strides every step: those
+    Triton specialises alike (== 1, % 16, int32 or wider) launch directly, as the first did."""
+    x, y = torch.zeros(8), torch.zeros(8, 2)
+    plan(x, y, first)
+    plan(x, y, then)
+    assert plan.calls[-1][0] == ("direct" if direct else "triton")

@@ -67,7 +67,7 @@ class Decode:
     Hq: int
     Hkv: int
     Lq: int
-    kv_cap: int  # keys given: the contiguous length, or the cache's capacity per sequence
+    kv_cap: int  # key positions planned for: the keys given, or with kv_lens planned_keys() of them
     D: int
     Dv: int
     dtype: torch.dtype
@@ -101,7 +101,7 @@ def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: B
     """The Decode of a call with queries q and keys of shape kv_shape = (Hkv, kv_cap, D, Dv),
     remembered by everything it depends on; `lens`: the call gives kv_lens."""
     B, Hq, Lq, D = q.shape
-    Hkv, kv_cap, _, Dv = kv_shape
+    Hkv, kv_cap, _, Dv = kv_shape  # kv_cap: the positions planned for, the keys' length or more
     traces = plan.traces_of(mask_mod, score_mod)
     plan.check_captured(traces, q.device, gradients=False)
     map_q = kv_cap if lens else Lq
@@ -202,9 +202,21 @@ def contiguous(q, k, v, mask_mod, score_mod, scale, kv_lens=None, block_map: Blo
     """(out, lse) of decoding over k and v [B, Hkv, Lkv, D], checked (q, k and v already are):
     compiled_attention's path for kv_lens and few query rows, eager or in its operator."""
     lens = None if kv_lens is None else check_lens(kv_lens, q, k)
-    found = problem(q, (k.shape[1], k.shape[2], q.shape[3], v.shape[3]), mask_mod, score_mod, scale,
-                    lens=lens is not None, block_map=block_map)
+    n = k.shape[2] if lens is None or block_map is not None else planned_keys(k.shape[2])
+    found = problem(q, (k.shape[1], n, q.shape[3], v.shape[3]), mask_mod, score_mod, scale, lens=lens is not None,
+                    block_map=block_map)
     return run(found, q, k, v, kv_lens=lens)
+
+
+def planned_keys(n: int) -> int:
+    """How many key positions a call with kv_lens over n keys is planned for (without a block
+    map of the caller's): n rounded up to 256, or to an eighth of its power of two. A cache that
+    grows a token a step (transformers' dynamic cache) then finds one plan for many steps, not
+    a new block map and plan each; contiguous keys and a paged cache of one capacity get one
+    plan, and the same bits. The kernel reads the keys below kv_lens, clamped to the keys'
+    real count (a per-call value), so the map's positions past it are never reached."""
+    step = max(256, 1 << max(0, n.bit_length() - 4))
+    return -(-n // step) * step
 
 
 def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_mod, score_mod, scale,
@@ -244,7 +256,7 @@ def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_m
                          f"make the cache's max_pages_per_seq larger")
     if 0 in (B, Hq, Lq):
         return no_pairs(q, v_pages)  # (reads v's last dim: the pages' Dv)
-    found = problem(q, (Hkv, capacity, D, v_pages.shape[3]), mask_mod, score_mod, scale, lens=True)
+    found = problem(q, (Hkv, planned_keys(capacity), D, v_pages.shape[3]), mask_mod, score_mod, scale, lens=True)
     return run(found, q, k_pages, v_pages, kv_lens=lens, page_table=page_table, slots=slots, page_size=page_size)
 
 
@@ -287,7 +299,7 @@ def replayable(q, k, v, mask_mod, score_mod, scale, kv_lens):
                              f"positions through kv_lens, or call compiled_attention, whose operator runs outside "
                              f"CUDA graphs")
     lens = check_lens(kv_lens, q, k)
-    kv_shape = (k.shape[1], k.shape[2], q.shape[3], v.shape[3])
+    kv_shape = (k.shape[1], planned_keys(k.shape[2]), q.shape[3], v.shape[3])
     # (the plan holds the traces, so their ids stay theirs)
     key = (*map(id, traces), q.dtype, q.device, q.shape, kv_shape, scale)
     found = REPLAYED.get(key)
@@ -326,8 +338,9 @@ def run(problem: Decode, q, k, v, *, kv_lens=None, page_table=None, slots=None, 
     else:
         kv_strides = (*k.stride(), *v.stride())
     out_strides = out.stride()
+    keys = page_table.shape[1] * page_size if paged else k.shape[2]  # what the kernel may read
     # the per-call values in _plans' order
-    values = (q, k, v, out, lse, *q.stride(), *kv_strides, *out_strides)
+    values = (q, k, v, out, lse, *q.stride(), *kv_strides, *out_strides, keys)
     if combine is not None:
         # PartOut's elements then PartLse's, in one allocation: the kernels take their pointers
         parts = torch.empty(part_sizes[0] + part_sizes[1], dtype=lse.dtype, device=q.device)
@@ -351,7 +364,7 @@ def _plans(problem: Decode, lens: bool, paged: bool, slots: bool, page_size: int
     config = problem.config
     split = problem.splits > 1
     # run passes the per-call values in this order
-    per_call = ["Q", "K", "V", "Out", "Lse", *_STRIDES["q"], *_STRIDES["k"], *_STRIDES["v"], *_STRIDES["o"]]
+    per_call = ["Q", "K", "V", "Out", "Lse", *_STRIDES["q"], *_STRIDES["k"], *_STRIDES["v"], *_STRIDES["o"], "kv_cap"]
     fixed = dict(PartOut=None, PartLse=None, KvLens=None, PageTable=None, Slots=None, stride_pt=0, num_slots=0)
     for name, wanted_here in (("PartOut", split), ("PartLse", split), ("KvLens", lens), ("PageTable", paged),
                               ("stride_pt", paged), ("num_slots", paged), ("Slots", slots)):
@@ -361,7 +374,7 @@ def _plans(problem: Decode, lens: bool, paged: bool, slots: bool, page_size: int
     scale = plan.kernel_scale(problem.scale, problem.score is not None)
     acc = triton_accumulator(problem.dtype)
     fixed.update(problem.tables, **problem.captured, num_kv_heads=problem.Hkv, q_len=problem.Lq,
-                 kv_cap=problem.kv_cap, qk_scale=scale, GROUP=problem.group, HEAD_DIM=problem.D,
+                 qk_scale=scale, GROUP=problem.group, HEAD_DIM=problem.D,
                  HEAD_DIM_V=problem.Dv, D_PAD=padded(problem.D), DV_PAD=padded(problem.Dv), BLOCK_M=config.block_m,
                  BLOCK_N=config.block_n, num_splits=problem.splits, DIRECT=not split, HAS_LENS=lens, SLOTS=slots,
                  PAGED=paged, PAGE_SIZE=max(page_size, 1), ACC=acc, DOT_PRECISION=dot_precision(problem.dtype),
@@ -385,4 +398,4 @@ def _plans(problem: Decode, lens: bool, paged: bool, slots: bool, page_size: int
 
 
 __all__ = ["Decode", "MAX_ROWS", "REPLAYED", "check_lens", "check_slots", "choose_splits", "contiguous", "paged",
-           "problem", "replayable", "run", "wanted"]
+           "planned_keys", "problem", "replayable", "run", "wanted"]

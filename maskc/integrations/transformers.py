@@ -43,10 +43,11 @@ class LayerMask:
     mask_mod: maskc.MaskMod
     q_len: int
     kv_len: int
-    # A static cache's decoding step: the keys are the whole cache, and kv_lens [B] (int32, on
-    # the device) counts the tokens in it, this step's included; mask_mod then sees the
-    # positions that compiled_attention's kv_lens gives (query i at kv_lens - q_len + i), so
-    # it captures no offset and the step's plan depends on shapes alone (CUDA graphs replay it).
+    # A decoding step: kv_lens [B] (int32, on the device) counts the tokens in the cache, this
+    # step's included (a static cache's keys are the whole cache, past them too); mask_mod then
+    # sees the positions that compiled_attention's kv_lens gives (query i at kv_lens - q_len + i),
+    # so it captures no offset, and without padding its plan depends on shapes alone (CUDA
+    # graphs replay it).
     kv_lens: torch.Tensor | None = None
 
     # With a static cache, generate() builds each step's masks ahead of the forward pass, calls
@@ -114,7 +115,8 @@ def register(name: str = "maskc") -> str:
 
 
 def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, *,
-               mask_function, attention_mask: torch.Tensor | LayerMask | None = None, **kwargs) -> LayerMask:
+               mask_function, attention_mask: torch.Tensor | LayerMask | None = None, device=None,
+               **kwargs) -> LayerMask:
     """transformers' mask interface for maskc: `mask_function` with the cache offsets and the
     2-d padding mask `attention_mask` (True: a real token) folded in, as one LayerMask.
 
@@ -126,8 +128,8 @@ def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     """
     if isinstance(attention_mask, LayerMask):  # built ahead by generate() for this step
         return attention_mask
-    if isinstance(q_offset, torch.Tensor) and kv_offset == 0 and q_length <= _STEP_QUERIES:
-        return _static_step(batch_size, q_length, kv_length, q_offset, mask_function, attention_mask)
+    if kv_offset == 0 and q_length <= _STEP_QUERIES and (isinstance(q_offset, torch.Tensor) or device is not None):
+        return _decoding_step(batch_size, q_length, kv_length, q_offset, mask_function, attention_mask, device)
     # a static cache gives the offset as a 0-d tensor (so that compiled graphs need not read it);
     # the trace needs a Python number, which becomes a kernel argument
     q_offset = int(q_offset)
@@ -140,21 +142,26 @@ def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     return LayerMask(_StepMask.of(mask_function, padding, q_offset, kv_offset), q_length, kv_length)
 
 
-# The longest query of a static cache's step that layer_mask() hands to the decoding path
-# (kv_lens); a prefill into the cache keeps its offsets and the prefill kernel.
+# The longest query of a decoding step that layer_mask() hands to the decoding path (kv_lens);
+# a prefill keeps its offsets and the prefill kernel.
 _STEP_QUERIES = 8
 
 
-def _static_step(batch_size: int, q_length: int, kv_length: int, q_offset: torch.Tensor, mask_function,
-                 attention_mask) -> LayerMask:
-    """The LayerMask of a static cache's decoding step: the offset stays on the device, as the
-    step's kv_lens (q_offset + q_length for every sequence), and reading it waits for nothing.
-    Padded keys (a 2-d attention_mask with zeros) stay a captured tensor; the cache's slots past
-    the mask are left to kv_lens."""
+def _decoding_step(batch_size: int, q_length: int, kv_length: int, q_offset, mask_function, attention_mask,
+                   device) -> LayerMask:
+    """The LayerMask of a decoding step over keys that start at position 0: its offset becomes
+    the step's kv_lens (q_offset + q_length for every sequence), so the mask captures no number
+    that changes every step and the step's plan is found again, not rebuilt. A static cache's
+    offset (a 0-d tensor) stays on the device, and reading it waits for nothing. Padded keys
+    (zeros in a 2-d attention_mask) stay a captured tensor; a static cache's slots past the
+    mask are left to kv_lens."""
     padding = None
     if attention_mask is not None and not bool(attention_mask.all()):
         padding = F.pad(attention_mask, (0, max(0, kv_length - attention_mask.shape[-1])), value=1).bool()
-    lens = (q_offset.reshape(1) + q_length).to(torch.int32).repeat(batch_size)
+    if isinstance(q_offset, torch.Tensor):
+        lens = (q_offset.reshape(1) + q_length).to(torch.int32).repeat(batch_size)
+    else:
+        lens = torch.full((batch_size,), q_offset + q_length, dtype=torch.int32, device=device)
     return LayerMask(_StepMask.of(mask_function, padding, 0, 0, at_lens=True), q_length, kv_length, lens)
 
 
@@ -174,7 +181,7 @@ def _last_queries(mask: LayerMask, first: int, n: int) -> LayerMask:
 
 
 _last_queries = outside_graph(_last_queries, _TRACED_IN_PYTHON)
-_static_step = outside_graph(_static_step, _TRACED_IN_PYTHON)
+_decoding_step = outside_graph(_decoding_step, _TRACED_IN_PYTHON)
 
 
 class _StepMask:

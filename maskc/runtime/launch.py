@@ -52,8 +52,8 @@ class LaunchPlan:
     result into its cache key on each call (most of a tiny problem's 70-80 µs of host time on
     the H100 machine, benchmarks/bench_overhead.py). The kernel that call returns is launched
     directly (`compiled[grid](*args)`, on the current stream) while the per-call values
-    specialise as they did then (_Direct): each of the same type, the same strides (ints
-    specialise on ==1 and %16), tensors of the same dtypes still 16-byte aligned, and the same
+    specialise as they did then (_Direct): each of the same type, ints that specialise alike (on
+    == 1, % 16 and their range: other strides of the same classes launch directly too), tensors of the same dtypes still 16-byte aligned, and the same
     current device. Anything else takes Triton's path, as does MASKC_DIRECT_LAUNCH=0
     (maskc/settings.py). The launcher still calls a profiler's launch hooks."""
 
@@ -154,6 +154,12 @@ class LaunchPlan:
                 self._options = {**self._options, "num_stages": stages - 1}
 
 
+def _int_class(value: int) -> tuple:
+    """What Triton specialises an int argument on: equal to 1 (a constant), divisible by 16, and
+    its type (i32, i64 or u64 by range)."""
+    return value == 1, not value & 15, -2**31 <= value < 2**31, value >= 2**63
+
+
 _DTYPE = operator.attrgetter("dtype")
 _MISALIGNMENT = (15).__and__  # a pointer's offset past 16-byte alignment
 
@@ -165,12 +171,13 @@ class _Direct:
     device. The checks run in C (map, compress, tuple comparison): a decoding step's launch
     takes 25 values."""
 
-    __slots__ = ("runner", "device", "_types", "_is_int", "_ints", "_is_tensor", "_dtypes")
+    __slots__ = ("runner", "device", "_types", "_is_int", "_ints", "_int_classes", "_is_tensor", "_dtypes")
 
     def __init__(self, runner, values: tuple, is_int: tuple, is_tensor: tuple):
         self.runner, self.device = runner, torch.cuda.current_device()
         self._types, self._is_int, self._is_tensor = tuple(map(type, values)), is_int, is_tensor
         self._ints, self._dtypes = tuple(compress(values, is_int)), tuple(map(_DTYPE, compress(values, is_tensor)))
+        self._int_classes = tuple(map(_int_class, self._ints))
 
     @classmethod
     def of(cls, compiled, grid, values: tuple) -> _Direct | None:
@@ -187,7 +194,12 @@ class _Direct:
 
     def takes(self, values: tuple) -> bool:
         """Whether `values` specialise as those the kernel was compiled for did."""
-        if tuple(map(type, values)) != self._types or tuple(compress(values, self._is_int)) != self._ints:
+        if tuple(map(type, values)) != self._types:
+            return False
+        ints = tuple(compress(values, self._is_int))
+        # the same ints, or others Triton specialises alike: a decoding step over a cache that
+        # grows by a token has new strides every step
+        if ints != self._ints and tuple(map(_int_class, ints)) != self._int_classes:
             return False
         tensors = tuple(compress(values, self._is_tensor))
         return (not any(map(_MISALIGNMENT, map(torch.Tensor.data_ptr, tensors)))
