@@ -124,6 +124,7 @@ def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: B
     found = DECODES.get(key)
     if found is not None:
         return found
+    capture.refuse_capture(q.device)
     config = tiles.decode_config(D, q.device.type, Lq * (Hq // Hkv))
     tiles.check_block_size((config.block_m, config.block_n), "decoding kernel tile")
     m, s = traces

@@ -21,16 +21,23 @@ import torch
 from maskc.errors import MaskcError
 
 
+def refuse_capture(device: torch.device) -> None:
+    """Refuse to build a plan while the current stream captures a CUDA graph: called where a
+    call finds no plan, whose build launches kernels and reads their results on the host."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise MaskcError("a maskc call met its first run inside CUDA-graph capture, where its plan (block map and "
+                         "kernel tables) cannot be built: the build's kernels and host reads would be recorded or "
+                         "refused; call it once with the same shapes, mask and values before capturing "
+                         "(torch.cuda.graph), or let torch.compile's mode='reduce-overhead' warm it up as it does "
+                         "on its first call")
+
+
 def outside_graph_pool(build, device: torch.device):
     """build(), with its CUDA allocations outside any CUDA-graph pool the calling thread
     allocates to (its result may outlive the graph's recording); for CPU tensors, build()."""
     if device.type != "cuda":
         return build()
-    if torch.cuda.is_current_stream_capturing():
-        raise MaskcError("a maskc call met its first run inside CUDA-graph capture, where its plan (block map and "
-                         "kernel tables) cannot be built: the build's kernels and host reads would be recorded or "
-                         "refused; call it once with the same shapes before capturing (torch.cuda.graph), or let "
-                         "torch.compile's mode='reduce-overhead' warm it up as it does on its first call")
+    refuse_capture(device)
     caller, grad = torch.cuda.current_stream(device), torch.is_grad_enabled()
     done: dict = {}
 
@@ -52,4 +59,4 @@ def outside_graph_pool(build, device: torch.device):
     return done["value"]
 
 
-__all__ = ["outside_graph_pool"]
+__all__ = ["outside_graph_pool", "refuse_capture"]

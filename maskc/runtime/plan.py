@@ -19,7 +19,7 @@ from maskc.analysis.intervals import indices_nonnegative
 from maskc.codegen.printer import tensor_args
 from maskc.codegen.render import codegen_hash
 from maskc.codegen.source import merge
-from maskc.runtime import autotune, state, tiles
+from maskc.runtime import autotune, capture, state, tiles
 from maskc.runtime.dtypes import DTYPES
 from maskc.runtime.kernel import CompiledKernel, kernel_for
 from maskc.settings import autotune as autotune_enabled
@@ -125,6 +125,7 @@ def planned(q, k, v, mask, score, scale, time_forward) -> Problem:
            tiles.override_key())
     problem = PLANS.get(key)
     if problem is None:
+        capture.refuse_capture(q.device)
         forward = None
         if autotune_enabled():
             candidates = tiles.forward_candidates(q.shape[3], q.device.type)
@@ -265,6 +266,7 @@ def cached_block_map(mask, traced, Lq, Lkv, block_size, B, Hq, device, settle: b
            Lq, Lkv, block_size, B, Hq, device, settle)
     bm = BLOCK_MAPS.get(key)
     if bm is None:
+        capture.refuse_capture(device)
         bm = build_block_map(mask, traced, Lq, Lkv, block_size=block_size, B=B, H=Hq, device=device, settle=settle)
         BLOCK_MAPS.put(key, bm)
     return bm

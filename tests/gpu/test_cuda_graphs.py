@@ -148,3 +148,15 @@ def test_reduce_overhead_steps_follow_kv_lens(mask):
             want = step(q, lens)
             for name, a, b in zip(("out", "lse"), got, want):
                 assert torch.equal(a, b), f"step {n}: {name} differs by {(a.float() - b.float()).abs().max():.3g}"
+
+
+def test_a_call_first_made_inside_capture_names_the_rule():
+    """A call whose plan does not exist yet cannot build it inside CUDA-graph capture (its
+    block map's kernels and host reads): it raises saying so, not a CUDA error."""
+    q = torch.randn(1, 4, 1, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 4, 333, 64, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    lens = torch.tensor([300], dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(maskc.MaskcError, match="inside CUDA-graph capture"):
+        with torch.cuda.graph(graph):
+            maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.sliding_window(77), kv_lens=lens)
