@@ -3,7 +3,7 @@ between the call and the launch (the mod's guards, the plan lookup, the checks).
 overhead on the GPU (bench_overhead.py, bench_decode_step.py) is this plus Triton's launcher;
 this one runs anywhere, so a change can be compared before a GPU session:
 
-    python benchmarks/bench_host_call.py [--decode]
+    python benchmarks/bench_host_call.py [--decode] [--flex]
     PYTHONPATH=/path/to/other/tree python benchmarks/bench_host_call.py   # another version
 
 Prefill (the default): B=1, H=1, L=128, D=64, float32, causal, no gradients; the forward's
@@ -19,7 +19,14 @@ launcher does nothing. The first call then builds the direct runner as on the GP
 calls pass its checks; torch.cuda.current_device and Triton's current stream (this machine has
 no CUDA) return 0. Left out: Triton's own launcher (its grid runner and the driver's launch).
 
-Best and median of 7 rounds of 2000 calls, µs a call.
+--flex: the same call as maskc.flex_attention with a BlockMask from maskc.create_block_mask (causal,
+BLOCK_SIZE 128), through torch.compile(fullgraph=True, backend="aot_eager"): Dynamo's guards,
+AOTAutograd's wrapper and the `maskc::attention` operator, which converts the BlockMask's tile
+tensors to a BlockMap (or finds the conversion again) before it plans. With --decode the query
+rows are few and no gradient is wanted, so the operator asks the decoding kernel, whose choice
+checks the converted map against its mask (BlockMap.agrees_with_mask).
+
+Best and median of 7 rounds of 2000 calls (200 with --flex), µs a call.
 """
 from __future__ import annotations
 
@@ -69,21 +76,41 @@ def decode():
     return lambda: maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal, enable_gqa=True, kv_lens=lens)
 
 
+def flex(decoding: bool):
+    """The prefill call or the decoding step (no kv_lens: one query at position 0 of a mask made
+    for it) as compiled maskc.flex_attention with a BlockMask."""
+    if decoding:
+        _launches_as_on_cuda()
+        q = torch.randn(1, 32, 1, 128)
+        k, v = (torch.randn(1, 8, 4096, 128) for _ in range(2))
+    else:
+        q, k, v = (torch.randn(1, 1, 128, 64) for _ in range(3))
+        out, lse = torch.empty_like(q), torch.empty(1, 1, 128)
+        api.launch.forward = lambda q, k, v, problem: (out, lse)
+    block_mask = maskc.create_block_mask(maskc.masks.causal, None, None, q.shape[2], k.shape[2], device="cpu")
+    compiled = torch.compile(lambda q, k, v, block_mask: maskc.flex_attention(q, k, v, block_mask=block_mask,
+                                                                             enable_gqa=True),
+                             backend="aot_eager", fullgraph=True)
+    return lambda: compiled(q, k, v, block_mask)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--decode", action="store_true", help="time the decoding step instead of the prefill call")
+    parser.add_argument("--flex", action="store_true", help="as maskc.flex_attention with a BlockMask, compiled")
     args = parser.parse_args()
-    call = decode() if args.decode else prefill()
+    call = flex(args.decode) if args.flex else decode() if args.decode else prefill()
+    calls = 200 if args.flex else 2000
     tiles_of_h100 = tiles.use_config(decode=tiles.TileConfig(16, 64, 4, 3), splits=32)
     with torch.no_grad(), tiles_of_h100 if args.decode else contextlib.nullcontext():
         call()  # traces and plans once
         rounds = []
         for _ in range(7):
             start = time.perf_counter()
-            for _ in range(2000):
+            for _ in range(calls):
                 call()
-            rounds.append((time.perf_counter() - start) / 2000 * 1e6)
-    what = "decoding step" if args.decode else "prefill call"
+            rounds.append((time.perf_counter() - start) / calls * 1e6)
+    what = ("decoding step" if args.decode else "prefill call") + (" (compiled flex_attention)" if args.flex else "")
     print(f"host work of a cached {what}: best {min(rounds):.1f} µs, median {statistics.median(rounds):.1f} µs")
 
 

@@ -77,7 +77,7 @@ def test_cache_info_reports_every_registered_cache_with_its_bound(fresh_caches):
         if found.maxsize is not None:
             assert found.currsize <= found.maxsize, name
     for name in ("runtime.plan.PLANS", "runtime.plan.BLOCK_MAPS", "runtime.cache.KERNELS", "inference.decode.DECODES",
-                 "runtime.ops._forwards", "integrations.flex.CONVERTED", "trace.mods._BY_KEY"):
+                 "runtime.ops._forwards", "runtime.ops.CONVERTED", "trace.mods._BY_KEY"):
         assert info[name].currsize > 0, name
     # the kernels are bounded by count, the plans by count and by the bytes they keep alive
     assert info["runtime.cache.KERNELS"].maxsize is not None

@@ -615,12 +615,12 @@ def atan_of(X, Y, N: tl.constexpr):
 def test_the_kernels_atan_is_within_4_ulp_of_float32(tmp_path):
     # the prelude's _atan on its own, through the interpreter: softmax hides an error in the
     # polynomial's high terms from the end-to-end test above (its c9 off by 1e-2 passes there)
-    from maskc.codegen.render import _environment
+    from maskc.codegen.render import LOG2E, _environment
     from maskc.runtime import loader
 
     prelude = _environment().get_template("_prelude.py.jinja").render(
         helpers=["_atan"], jit="triton.jit", template_name="_prelude.py.jinja", maskc_version="test",
-        mask_text="none", score_text="none")
+        mask_text="none", score_text="none", log2e=LOG2E)
     path = tmp_path / "atan_of.py"
     path.write_text(prelude + _ATAN_KERNEL)
     module = loader.load(path, interpret=True)

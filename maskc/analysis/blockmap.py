@@ -385,7 +385,10 @@ class BlockMap:
         return coarse
 
     def kernel_rows(self, batch: int, heads: int) -> tuple[int, int]:
-        """Row strides of b and h into the run tables for a launch of batch × heads programs."""
+        """The row strides (row_strides) for a launch of batch × heads programs, after refusing
+        a map whose rows cannot serve them. Where a caller's map enters a call
+        (plan.check_block_map), once per call; the maps derived from it (for_tiles, transposed)
+        keep its rows, so the launches read their row_strides unchecked."""
         # a map of more batch rows serves fewer inputs with its first rows, as FlexAttention reads a
         # BlockMask of the whole cache for one request (its decoding tests)
         for name, stored, given in (("B", self.B, batch), ("H", self.H, heads)):
@@ -399,6 +402,12 @@ class BlockMap:
                                  f"with {name}=1 but the inputs have {name}={given}: its tiles are those of "
                                  f"{name.lower()}=0 alone; build it with {name}={given} (maskc.block_map(..., "
                                  f"{name}={given}), or create_block_mask(mask_mod, B, H, ...) with {name}={given})")
+        return self.row_strides
+
+    @property
+    def row_strides(self) -> tuple[int, int]:
+        """Row strides of b and h into the run tables and the dense grid (both [B', H', q tiles]
+        rows): 0 where one stored row serves every b (h)."""
         return (self.H * self.n_q if self.B > 1 else 0, self.n_q if self.H > 1 else 0)
 
     @functools.cached_property

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import math
 import threading
 from importlib import resources
 from pathlib import Path
@@ -28,6 +29,10 @@ KERNEL_NAMES = {"fwd": ("attention_fwd",), "bwd": ("attention_bwd_dq", "attentio
                 "dec": ("attention_decode", "attention_combine"), "hfwd": ("attention_fwd_hopper",),
                 "hbwd": ("attention_bwd_dkdv_hopper",)}
 GLUON_KINDS = ("hfwd", "hbwd")
+# log2(e): the kernels' softmax runs in base 2. Every kernel file's prelude prints it as LOG2E
+# (for the factors the kernel applies itself: a score mod's result, the backward's scale), and
+# runtime/plan.kernel_scale folds it into the scale of a forward without a score mod.
+LOG2E = math.log2(math.e)
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,6 +92,7 @@ def render(spec: KernelSource, templates: str | None = None) -> Rendered:
         score_text=describe(spec.score_expr) if spec.score_expr is not None else "none (plain scores)",
         extra_args=extra,
         jit="gluon.jit" if spec.kind in GLUON_KINDS else "triton.jit",
+        log2e=LOG2E,
         **hooks,
     )
     return Rendered(text, parameters(text))

@@ -27,7 +27,7 @@ from maskc.runtime import plan as planning
 from maskc.runtime import state, tiles
 from maskc.runtime.dtypes import accumulator
 from maskc.runtime.sinks import check_sinks, with_sinks
-from maskc.trace.mods import MaskMod, ScoreMod, as_score_mod
+from maskc.trace.mods import MaskMod, ScoreMod, as_score_mod, captured_needing_grad
 
 _RINGS = 8  # the score mods a plan keeps the pair mods and Problems of
 _PROBLEMS = 1024
@@ -88,7 +88,7 @@ def attention(q, k, v, plan: ContextParallelPlan, *, score_mod=None, scale=None,
         # the other ranks wait in this call's exchange: answer them, so that they raise too
         raise agree.refused(plan, error)
     ring = _Ring.of(plan, score)
-    captured = tuple(t for t in (traced.tensors if traced is not None else ()) if t.requires_grad)
+    captured = captured_needing_grad(traced)
     differentiable = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or bool(captured))
     sinks_grad = sinks is not None and torch.is_grad_enabled() and sinks.requires_grad
     # a backward that sums the sinks' gradient is a collective too: every rank must record it

@@ -138,13 +138,13 @@ def problem(q, kv_shape, mask_mod, score_mod, scale, *, lens: bool, block_map: B
         map_block = tiles.decode_map_block(q.device.type, *((map_q, -(-kv_cap // config.block_n)) if by_tiles else ()))
         block_map = plan.cached_block_map(mask_mod, m, map_q, kv_cap, (map_block, config.block_n), B, Hq, q.device,
                                           settle=not lens)
-    block_map.kernel_rows(B, Hq)
     tables, widest = _tables(block_map, config.block_n, Hq // Hkv)
     rows = B * Hkv * -(-Lq * (Hq // Hkv) // config.block_m)
     splits = tiles.decode_splits() or choose_splits(rows, -(-widest // config.block_n), q.device)
     config = tiles.decode_config(D, q.device.type, Lq * (Hq // Hkv), split=splits > 1)
     found = Decode(m, s, plan.softmax_scale(scale, D), B, Hq, Hkv, Lq, kv_cap, D, Dv,
-                   q.dtype, config, block_map, kernel_for("dec", m, s, q.dtype, q.device), plan.captured_args(m, s, q.dtype, q.device)[0], tables,
+                   q.dtype, config, block_map, kernel_for("dec", m, s, q.dtype, q.device),
+                   plan.captured_args(m, s, q.dtype, q.device)[0], tables,
                    splits, tuple(x for t in traces if t is not None for x in t.storages()))
     DECODES.put(key, found)
     _log.debug("decoding B=%d Hq=%d Hkv=%d Lq=%d over %d keys%s: the split-KV kernel in %d split%s (%d query rows a "
@@ -191,11 +191,11 @@ def _tables(bm: BlockMap, block_n: int, group: int) -> tuple[dict, int]:
     hi = torch.where(any_kept, n_kv - kept.flip(-1).int().argmax(-1), 0).to(torch.int32)
     holes = ((hi - lo).clamp(min=0) > kept.sum(-1)).to(torch.int8)
     widest = int((hi - lo).clamp(min=0).max()) * kv_map.block_size[1] if lo.numel() else 0
-    B, H, n_q, _ = dense.shape
+    row_b, row_h = kv_map.row_strides
     return dict(STATES=dense.contiguous(), SPAN_LO=lo.contiguous(), SPAN_HI=hi.contiguous(), HOLES=holes.contiguous(),
-                STATE_STRIDE_B=H * n_q if B > 1 else 0, STATE_STRIDE_H=n_q if H > 1 else 0,
-                map_q_tiles=n_q, map_kv_tiles=n_kv, MAP_BLOCK_M=m_block, KV_MULTIPLE=kv_multiple,
-                MAP_HEADS=group if H > 1 else 1), widest
+                STATE_STRIDE_B=row_b, STATE_STRIDE_H=row_h,
+                map_q_tiles=kv_map.n_q, map_kv_tiles=n_kv, MAP_BLOCK_M=m_block, KV_MULTIPLE=kv_multiple,
+                MAP_HEADS=group if kv_map.H > 1 else 1), widest
 
 
 # -- entry points ----------------------------------------------------------------------------

@@ -13,7 +13,6 @@ the pairs of the others.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Mapping
 
 import torch
@@ -23,10 +22,11 @@ from maskc._graph import outside_graph
 from maskc.analysis import BlockMap, block_map
 from maskc.analysis.build import IN_PYTHON as ANALYSED_IN_PYTHON
 from maskc.masks import and_masks, or_masks
-from maskc.runtime import compiled_attention, state
-from maskc.runtime.api import CAPTURED_GRADIENTS, PLAIN_FUNCTION, captured_need_grad, plain_function
+from maskc.runtime import compiled_attention, ops, state
+from maskc.runtime.api import CAPTURED_GRADIENTS, PLAIN_FUNCTION, plain_function
 from maskc.runtime.tiles import kernel_tiles_of
 from maskc.trace import MaskMod, as_mask_mod
+from maskc.trace.mods import captured_need_grad_for_dynamo
 
 _log = logging.getLogger(__name__)
 
@@ -45,11 +45,6 @@ TORCH_TYPES = ("AuxOutput", "AuxRequest", "FlexKernelOptions")
 
 _NO_OP_BLOCK = 1 << 30  # torch's _LARGE_SPARSE_BLOCK_SIZE
 _TILE_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
-# Conversions of torch BlockMasks to BlockMaps, kept while the BlockMask lives: a model hands one
-# BlockMask to every layer, and a conversion costs a trace lookup and O(tiles) work.
-CONVERTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-state.register(__name__, "CONVERTED", "each live torch BlockMask's BlockMap", "weak: an entry goes with its BlockMask",
-               size=lambda: len(CONVERTED), clear=CONVERTED.clear)
 # kernel_options key sets already reported as ignored, so the log says it once.
 _IGNORED_REPORTED = state.lru(__name__, "_IGNORED_REPORTED", "the kernel_options key sets logged as ignored", 64)
 
@@ -61,9 +56,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     Returns out [B, Hq, Lq, Dv] in q's dtype; with return_lse=True (out, lse), with
     return_aux=AuxRequest(lse=True) (out, AuxOutput(lse=lse)): lse [B, Hq, Lq] in natural log,
     float32 (float64 for float64 inputs), -inf on rows with no kept key (whose out is 0), as
-    torch returns it. `block_mask` is a torch BlockMask (converted once and remembered while it
-    lives) or a maskc BlockMap. kernel_options are FlexAttention's kernel knobs: maskc chooses
-    its own tiles and ignores them. Differentiable, on CUDA and on CPU (interpreted).
+    torch returns it. `block_mask` is a torch BlockMask (converted once and remembered while its
+    tiles stay as they are, eager and compiled calls alike) or a maskc BlockMap. kernel_options
+    are FlexAttention's kernel knobs: maskc chooses its own tiles and ignores them.
+    Differentiable, on CUDA and on CPU (interpreted).
 
     >>> block_mask = maskc.create_block_mask(causal, None, None, 2048, 2048, device="cuda")
     >>> out, lse = maskc.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
@@ -79,7 +75,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         # here, not in compiled_attention: outside the graph, a torch BlockMask is converted below
         return _flex_attention_outside_graph(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                              kernel_options, return_aux=return_aux)
-    if torch.compiler.is_compiling() and captured_need_grad(None, score_mod):
+    if torch.compiler.is_compiling() and captured_need_grad_for_dynamo(score_mod):
         return _flex_attention_for_gradients(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                              kernel_options, return_aux=return_aux)
     mask = bm = None
@@ -147,33 +143,14 @@ create_block_mask = outside_graph(create_block_mask, ANALYSED_IN_PYTHON)
 
 
 def converted(block_mask) -> BlockMap:
-    """The BlockMap of a torch BlockMask (BlockMap.from_flex_block_mask), converted again only
+    """The BlockMap of a torch BlockMask (BlockMap.from_flex_block_mask), from the conversions
+    the torch.compile operator finds too (maskc.runtime.ops.converted): converted again only
     when its tile tensors, its mask_mod's trace or that trace's captured tensors changed."""
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a BlockMask from create_block_mask (maskc's or torch's) or a "
                         f"maskc.BlockMap, got {type(block_mask).__name__}")
-    traced = as_mask_mod(block_mask.mask_mod).traced
-    state = _state(block_mask, traced)
-    found = CONVERTED.get(block_mask)
-    if found is not None and _same(found[0], state):
-        return found[1]
-    bm = BlockMap.from_flex_block_mask(block_mask, tile_size=kernel_tiles_of(block_mask.BLOCK_SIZE,
-                                                                              "block_mask BLOCK_SIZE"))
-    CONVERTED[block_mask] = (state, bm)
-    return bm
-
-
-def _state(block_mask, traced) -> tuple:
-    """What a conversion read: objects, compared by identity (the entry holds them, so their ids
-    stay theirs), and values."""
-    tensors = tuple(getattr(block_mask, name) for name in _TILE_TENSORS)
-    objects = (traced, *tensors, *traced.tensors)
-    versions = tuple(-1 if t is None else t._version for t in (*tensors, *traced.tensors))
-    return objects, (versions, tuple(block_mask.seq_lengths), block_mask.BLOCK_SIZE)
-
-
-def _same(a, b) -> bool:
-    return len(a[0]) == len(b[0]) and all(x is y for x, y in zip(a[0], b[0])) and a[1] == b[1]
+    return ops.converted([getattr(block_mask, name) for name in _TILE_TENSORS], block_mask.seq_lengths,
+                         block_mask.BLOCK_SIZE, as_mask_mod(block_mask.mask_mod))
 
 
 def _check_fits(bm: BlockMap, query, key) -> None:

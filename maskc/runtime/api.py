@@ -13,7 +13,8 @@ from maskc.runtime.kernel import CompiledKernel, kernel_for
 from maskc.runtime.sinks import check_sinks, with_sinks
 from maskc.inference.paged import PagedKVCache
 from maskc.runtime.tiles import check_block_size
-from maskc.trace.mods import MaskMod, ScoreMod, as_mask_mod, as_score_mod
+from maskc.trace.mods import (MaskMod, ScoreMod, as_mask_mod, as_score_mod, captured_need_grad_for_dynamo,
+                              captured_needing_grad)
 
 # What Dynamo says where a plain function reaches compiled_attention under torch.compile: the
 # operator names a mod by the key maskc gave it when it traced it, and Dynamo must not trace
@@ -37,12 +38,6 @@ def plain_function(mask_mod, score_mod) -> bool:
     """Whether a mod is neither None nor traced by maskc yet (a MaskMod or ScoreMod)."""
     return (mask_mod is not None and not isinstance(mask_mod, MaskMod)) or (
         score_mod is not None and not isinstance(score_mod, ScoreMod))
-
-
-def captured_need_grad(mask_mod, score_mod) -> bool:
-    """Under torch.compile, whether gradients are on and a MaskMod's or ScoreMod's captured
-    tensor required grad when it was last traced (read without tracing again)."""
-    return torch.is_grad_enabled() and any(getattr(m, "captured_requires_grad", False) for m in (mask_mod, score_mod))
 
 
 def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enable_gqa=False, return_lse=False,
@@ -90,7 +85,7 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
         if plain_function(mask_mod, score_mod):
             return _compiled_attention_outside_graph(q, k, v, mask_mod, score_mod, scale, enable_gqa, return_lse,
                                                    block_map, kv_lens, sinks)
-        if kv_lens is None and captured_need_grad(mask_mod, score_mod):
+        if kv_lens is None and captured_need_grad_for_dynamo(mask_mod, score_mod):
             return _compiled_attention_for_gradients(q, k, v, mask_mod, score_mod, scale, enable_gqa, return_lse,
                                                      block_map, sinks=sinks)
         # Dynamo traces this branch alone: maskc's Python runs inside the operators (runtime/ops.py),
@@ -112,7 +107,7 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
         # views over q's batch: autograd sums their gradients back into k and v
         k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
     differentiable = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v))
-                                                  or plan.captured_need_grad(mask, score))
+                                                  or bool(captured_needing_grad(*plan.traces_of(mask, score))))
     if 0 in (B, Hq, Lq, k.shape[2]):
         out, lse = NoPairs.apply(q, k, v) if differentiable else launch.no_pairs(q, v)
         return _result(out, lse, sinks, return_lse)

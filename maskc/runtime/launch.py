@@ -53,8 +53,8 @@ class LaunchPlan:
     the H100 machine, benchmarks/bench_overhead.py). The kernel that call returns is launched
     directly (`compiled[grid](*args)`, on the current stream) while the per-call values
     specialise as they did then (_Direct): each of the same type, ints that specialise alike (on
-    == 1, % 16 and their range: other strides of the same classes launch directly too), tensors of the same dtypes still 16-byte aligned, and the same
-    current device. Anything else takes Triton's path, as does MASKC_DIRECT_LAUNCH=0
+    == 1, % 16 and their range: other strides of the same classes launch directly too), tensors
+    of the same dtypes still 16-byte aligned, and the same current device. Anything else takes Triton's path, as does MASKC_DIRECT_LAUNCH=0
     (maskc/settings.py). The launcher still calls a profiler's launch hooks."""
 
     def __init__(self, kernel: CompiledKernel, name: str, interpret: bool, grid: tuple, fixed: dict,
@@ -242,7 +242,7 @@ def _map_args(problem: Problem, config: TileConfig, transposed: bool = False) ->
     bm, q_multiple, kv_multiple = problem.block_map.for_tiles(config.block_m, config.block_n)
     if transposed:
         bm = bm.transposed
-    row_b, row_h = bm.kernel_rows(problem.B, problem.Hq)
+    row_b, row_h = bm.row_strides  # (the call's map was checked for its rows: plan.check_block_map)
     return dict(FULL_OFFSETS=bm.full_offsets, FULL_RUNS=bm.full_runs, PARTIAL_OFFSETS=bm.partial_offsets,
                 PARTIAL_RUNS=bm.partial_runs, ROW_STRIDE_B=row_b, ROW_STRIDE_H=row_h,
                 SPARSE_Q_MULTIPLE=q_multiple, SPARSE_KV_MULTIPLE=kv_multiple)

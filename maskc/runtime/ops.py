@@ -39,7 +39,8 @@ from maskc.inference import decode as decoding
 from maskc.runtime import launch, plan, state
 from maskc.runtime.autograd import refuse_second_derivatives
 from maskc.runtime.tiles import kernel_tiles_of
-from maskc.trace.mods import MaskMod, ScoreMod, mod_of_key
+from maskc.settings import plan_cache_max_size
+from maskc.trace.mods import MaskMod, ScoreMod, captured_need_grad_for_dynamo, captured_needing_grad, mod_of_key
 
 _lock = threading.Lock()
 
@@ -121,9 +122,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, s
              differentiable: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mask, score, block_map, k, v = _inputs(mask_key, score_key, map_handle, q, k, v)
     if flex_tiles:
-        block_map = BlockMap.from_flex_tiles(*flex_tiles, *[None] * (4 - len(flex_tiles)),
-                                             seq_lengths=flex_layout[:2], block_size=flex_layout[2:], mask_mod=mask,
-                                             tile_size=kernel_tiles_of(flex_layout[2:], "block_mask BLOCK_SIZE"))
+        block_map = converted(flex_tiles, flex_layout[:2], flex_layout[2:], mask)
     B, Hq, Lq, _ = q.shape
     if 0 in (B, Hq, Lq, k.shape[2]):
         out, lse = launch.no_pairs(q, v)
@@ -147,6 +146,37 @@ def _forward_fake(q, k, v, mask_key, score_key, map_handle, scale, enable_gqa, f
     return *launch.outputs(q, v.shape[3]), torch.empty((), dtype=torch.int64)
 
 
+# The BlockMaps of torch BlockMasks' tile tensors, eager calls' (maskc.flex_attention) and the
+# operator's alike: a compiled graph hands the operator the tensors alone, on every call. Keyed by
+# what the map is made of, not by the tensors' identity: a graph may pass new tensors of the same
+# values, or the same tensor written in place (its _version moves). An entry holds the tensors,
+# so no other tensor takes their addresses while it lives, and the map, which holds the mask's
+# trace and its captured tensors' storages (Traced.stamps). Bounded by count and bytes like
+# plan.PLANS: a loop that makes a new BlockMask per step keeps the latest ones only.
+CONVERTED = state.lru(__name__, "CONVERTED", "the BlockMap of each torch BlockMask's tile tensors (held with it), "
+                      "lengths, BLOCK_SIZE and mask_mod trace", 64,
+                      lambda entry: plan.held_bytes(entry[0], entry[1].traced.storages(), (entry[1],)),
+                      plan_cache_max_size)
+
+
+def converted(tiles, seq_lengths, block_size, mask: MaskMod) -> BlockMap:
+    """The BlockMap of a torch BlockMask's tiles (kv_num_blocks, kv_indices and, where it lists
+    them, full_kv_num_blocks, full_kv_indices) with the mask_mod `mask`, at the kernels' tiles;
+    converted (BlockMap.from_flex_tiles) again only when a tile tensor, the lengths, the block
+    size, the mask's trace or its captured tensors differ from an entry's."""
+    tiles = (*tiles, *[None] * (4 - len(tiles)))
+    traced = mask.traced
+    key = (*(None if t is None else (t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tiles),
+           tuple(seq_lengths), tuple(block_size), id(traced), traced.stamps())
+    found = CONVERTED.get(key)
+    if found is not None:
+        return found[1]
+    bm = BlockMap.from_flex_tiles(*tiles, seq_lengths=seq_lengths, block_size=block_size, mask_mod=mask,
+                                  tile_size=kernel_tiles_of(block_size, "block_mask BLOCK_SIZE"))
+    CONVERTED.put(key, (tiles, bm))
+    return bm
+
+
 def _inputs(mask_key: str, score_key: str, map_handle, q, k, v):
     """The mods and map an operator names, and k and v over q's batch (views where shared)."""
     mask, score = _found(mask_key, mod_of_key), _found(score_key, mod_of_key)
@@ -158,19 +188,19 @@ def _inputs(mask_key: str, score_key: str, map_handle, q, k, v):
 
 def _refuse_captured_gradients(*mods) -> None:
     """The operators' autograd has no inputs for the mods' captured tensors, so a gradient they
-    need would be silently missing: refuse a mod whose captured tensor requires grad."""
+    need would be silently missing: refuse a mod whose captured tensor needs one where autograd
+    records the call (setup_context, which runs with grad mode off)."""
     for mod in mods:
-        if mod is not None and any(t.requires_grad for t in mod.traced.tensors):
+        if mod is not None and captured_needing_grad(mod.traced, recording=True):
             raise _captured_gradient_error(mod)
 
 
 def _refuse_traced_captured_gradients(*mods) -> None:
     """_refuse_captured_gradients for code Dynamo traces: it reads what the mods' latest traces
     recorded (re-checking their guards would run maskc's tracer under Dynamo)."""
-    if torch.is_grad_enabled():
-        for mod in mods:
-            if mod is not None and mod.captured_requires_grad:
-                raise _captured_gradient_error(mod)
+    for mod in mods:
+        if captured_need_grad_for_dynamo(mod):
+            raise _captured_gradient_error(mod)
 
 
 def _captured_gradient_error(mod) -> NotImplementedError:
@@ -332,4 +362,4 @@ def _grad(ctx, d_out, d_lse, _):
 _forward.register_autograd(_grad, setup_context=_setup_context)
 
 
-__all__ = ["attention", "decode", "paged"]
+__all__ = ["CONVERTED", "attention", "converted", "decode", "paged"]

@@ -17,7 +17,7 @@ from maskc.analysis.build import block_map_of_trace as build_block_map
 from maskc.analysis.build import serves_any_device
 from maskc.analysis.intervals import indices_nonnegative
 from maskc.codegen.printer import tensor_args
-from maskc.codegen.render import codegen_hash
+from maskc.codegen.render import LOG2E, codegen_hash
 from maskc.codegen.source import merge
 from maskc.runtime import autotune, capture, state, tiles
 from maskc.runtime.dtypes import DTYPES
@@ -25,11 +25,10 @@ from maskc.runtime.kernel import CompiledKernel, kernel_for
 from maskc.settings import autotune as autotune_enabled
 from maskc.settings import plan_cache_max_size
 from maskc.trace import symbols as S
-from maskc.trace.mods import as_mask_mod
+from maskc.trace.mods import as_mask_mod, captured_needing_grad
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 _SLOTS = 64
-_LOG2E = 1.4426950408889634
 
 
 def held_bytes(tensors=(), storages=(), maps=()) -> dict:
@@ -177,8 +176,8 @@ def softmax_scale(scale, head_dim: int) -> float:
 def kernel_scale(scale: float, scored: bool) -> float:
     """The scale a kernel multiplies q·k by. Its softmax runs in base 2: without a score_mod
     log2(e) folds in here; a score_mod sees natural units, and the kernel multiplies its
-    result by log2(e) itself (templates/_softmax.py.jinja)."""
-    return scale if scored else scale * _LOG2E
+    result by log2(e) itself (templates/_softmax.py.jinja's LOG2E, codegen/render.py's LOG2E)."""
+    return scale if scored else scale * LOG2E
 
 
 def captured_args(mask, score, dtype: torch.dtype, device: torch.device,
@@ -278,7 +277,16 @@ def _keep_all(b, h, q_idx, kv_idx):
 
 # -- validation ------------------------------------------------------------------------------
 def check_tensors(q, k, v, enable_gqa):
-    # Every call runs this: each attribute is read once (shape and device build new objects).
+    """Refuse q, k and v that no kernel can take, with the errors every entry point shares.
+
+    Runs once per call, where the call's inputs first meet maskc: compiled_attention's eager
+    path (runtime/api.py: decode.contiguous and the plans take them checked), paged_attention's
+    decode.paged (against empty stand-ins for the cache's keys; under torch.compile too, in its
+    operator), maskc.distributed.attention, and the fake kernels of the maskc::attention and
+    maskc::decode operators (runtime/ops.py), which run when the graph is traced, so that a
+    compiled call fails there as the eager call does; those operators' implementations take
+    their inputs checked. tests/test_one_owner.py counts the calls."""
+    # each attribute is read once (shape and device build new objects): every call runs this
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -362,8 +370,9 @@ def check_head_dims(head_dim: int, head_dim_v: int, names=("q/k head dim", "v he
 def check_captured(traces, device, *, gradients: bool = True) -> tuple[int, ...]:
     """Check the captured tensors of `traces` (mask, score) and return the slots (the mask's
     tensors numbered first, as codegen's merge numbers them) whose gradients the backward
-    computes: the score mod's tensors that require grad while grad mode is on. `gradients`:
-    the call can compute them (decoding cannot)."""
+    computes: the score mod's tensors that need one (captured_needing_grad). `gradients`: the
+    call can compute them (decoding cannot)."""
+    needing = set(map(id, captured_needing_grad(*traces)))
     slots, slot = [], 0
     for t in (t for t in traces if t is not None):
         for i, tensor in enumerate(t.tensors):
@@ -372,7 +381,7 @@ def check_captured(traces, device, *, gradients: bool = True) -> tuple[int, ...]
             if tensor.device != device and not (serves_any_device(tensor) and not tensor.requires_grad):
                 raise ValueError(f"{t.kind} '{t.name}' captured tensor #{i} lives on {tensor.device} but q is on "
                                  f"{device}; move the captured tensor to {device}")
-            if tensor.requires_grad and torch.is_grad_enabled():
+            if id(tensor) in needing:
                 if not gradients:
                     raise NotImplementedError(f"{t.kind} '{t.name}' captured tensor #{i} requires grad, but decoding "
                                               f"(kv_lens, paged_attention) computes no gradients; detach it, or run "
@@ -383,12 +392,6 @@ def check_captured(traces, device, *, gradients: bool = True) -> tuple[int, ...]
                 slots.append(slot)
             slot += 1
     return tuple(slots)
-
-
-def captured_need_grad(mask, score) -> bool:
-    """Whether the call must compute gradients of a tensor the mods capture."""
-    return torch.is_grad_enabled() and any(x.requires_grad for mod in (mask, score) if mod is not None
-                                           for x in mod.traced.tensors)
 
 
 def check_block_map(bm: BlockMap, mask, traced, B: int, Hq: int, Lq: int, Lkv: int, device) -> None:
@@ -437,7 +440,7 @@ def _values(traced) -> str:
     return ", ".join(f"{p.origin}={p.value}" for p in traced.params)
 
 
-__all__ = ["BLOCK_MAPS", "PLANS", "Problem", "cached_block_map", "captured_args", "captured_need_grad",
-           "check_block_map", "check_captured", "check_head_dims", "check_tensors", "check_unchanged", "given",
+__all__ = ["BLOCK_MAPS", "PLANS", "Problem", "cached_block_map", "captured_args", "check_block_map",
+           "check_captured", "check_head_dims", "check_tensors", "check_unchanged", "given",
            "held_bytes", "index_argument", "kernel_scale", "mask_of_call", "planned", "problem_of", "softmax_scale",
            "stamps_of", "traces_of"]

@@ -6,6 +6,8 @@ import itertools
 import types
 import weakref
 
+import torch
+
 from maskc.trace.tracer import Traced, callable_name, guards_hold, retraced, trace
 
 
@@ -43,8 +45,8 @@ class _Mod:
         self._traced = traced
         # A plain bool for code that torch.compile traces, which must neither run the tracer
         # (re-checking guards) nor read the tensors (Dynamo would guard on each): whether a
-        # captured tensor required grad when the mod was last traced.
-        self.captured_requires_grad = any(t.requires_grad for t in traced.tensors)
+        # captured tensor required grad when the mod was last traced (captured_need_grad_for_dynamo).
+        self.captured_requires_grad = bool(captured_needing_grad(traced, recording=True))
         # Likewise: whether that trace captured neither a tensor nor a number, so that the plans
         # of a call depend on its shapes alone (a CUDA graph may replay them: runtime/ops.py).
         self.captures_nothing = not traced.tensors and not traced.params
@@ -75,6 +77,26 @@ class ScoreMod(_Mod):
     """A traced score_mod(score, b, h, q_idx, kv_idx) -> score; still callable like the function."""
 
     kind = "score_mod"
+
+
+def captured_needing_grad(*traces, recording: bool | None = None) -> tuple:
+    """The captured tensors of `traces` (Traced or None) whose gradients a call computes: those
+    that require grad, where autograd records the call. `recording` defaults to grad mode; an
+    autograd Function's forward, which runs with grad mode off while autograd records it,
+    passes True. Every eager site asks this; code Dynamo traces asks
+    captured_need_grad_for_dynamo."""
+    if not (torch.is_grad_enabled() if recording is None else recording):
+        return ()
+    return tuple(x for t in traces if t is not None for x in t.tensors if x.requires_grad)
+
+
+def captured_need_grad_for_dynamo(*mods) -> bool:
+    """captured_needing_grad for code torch.compile traces, from the flag each mod (MaskMod,
+    ScoreMod or None) recorded at its last trace. Two entries exist because Dynamo must neither
+    read `mod.traced` (its guard check may run the tracer) nor the captured tensors (it would
+    guard on each). The flag is as current as the mod's last trace: where the operator's
+    autograd records the call, runtime/ops.py asks the eager rule again."""
+    return torch.is_grad_enabled() and any(mod is not None and mod.captured_requires_grad for mod in mods)
 
 
 def mod_of_key(key: str):
