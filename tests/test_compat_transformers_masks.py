@@ -478,16 +478,28 @@ def maskc_backend():
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.composed is not None], ids=ids)
-def test_maskc_backend(case, maskc_backend):
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_maskc_backend(case, maskc_backend, grad):
     """maskc's transformers backend, given the same call, makes the mask torch makes of what
-    transformers hands to FlexAttention."""
+    transformers hands to FlexAttention; without gradients (generate()), a decoding step's
+    mask is read at the positions its kv_lens gives."""
     b = built(case)
-    layer_mask = case.composed(_config(maskc_backend))
+    with torch.set_grad_enabled(grad):
+        layer_mask = case.composed(_config(maskc_backend))
     assert (layer_mask.q_len, layer_mask.kv_len) == (b.q_len, b.kv_len)
     want = create_mask(b.mask_mod, BATCH, 1, b.q_len, b.kv_len, device="cpu")
-    got = dense_mask(layer_mask.mask_mod, b.q_len, b.kv_len, BATCH, 1)
+    if layer_mask.kv_lens is None:
+        got = dense_mask(layer_mask.mask_mod, b.q_len, b.kv_len, BATCH, 1)
+        assert_block_map_exact(layer_mask.mask_mod, b.q_len, b.kv_len, (16, 16), B=BATCH, H=1)
+    else:
+        # query i sits at kv_lens[b] - q_len + i, and keys from kv_lens[b] on are cut
+        assert not grad
+        square = dense_mask(layer_mask.mask_mod, b.kv_len, b.kv_len, BATCH, 1)
+        got = torch.zeros_like(want)
+        for batch, n in enumerate(layer_mask.kv_lens.tolist()):
+            got[batch, :, :, :n] = square[batch, :, n - b.q_len:n, :n]
+        assert_block_map_exact(layer_mask.mask_mod, b.kv_len, b.kv_len, (16, 16), B=BATCH, H=1)
     assert torch.equal(got, want), f"maskc's layer mask differs at {(got != want).nonzero()[:5].tolist()}"
-    assert_block_map_exact(layer_mask.mask_mod, b.q_len, b.kv_len, (16, 16), B=BATCH, H=1)
 
 
 # -- coverage of the package ----------------------------------------------------------------------------

@@ -128,7 +128,7 @@ def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     """
     if isinstance(attention_mask, LayerMask):  # built ahead by generate() for this step
         return attention_mask
-    if kv_offset == 0 and q_length <= _STEP_QUERIES and (isinstance(q_offset, torch.Tensor) or device is not None):
+    if _a_decoding_step(q_length, kv_length, q_offset, kv_offset, device):
         return _decoding_step(batch_size, q_length, kv_length, q_offset, mask_function, attention_mask, device)
     # a static cache gives the offset as a 0-d tensor (so that compiled graphs need not read it);
     # the trace needs a Python number, which becomes a kernel argument
@@ -145,6 +145,36 @@ def layer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
 # The longest query of a decoding step that layer_mask() hands to the decoding path (kv_lens);
 # a prefill keeps its offsets and the prefill kernel.
 _STEP_QUERIES = 8
+
+
+def _a_decoding_step(q_length: int, kv_length: int, q_offset, kv_offset, device) -> bool:
+    """Whether layer_mask() may give this call kv_lens = q_offset + q_length: a few queries
+    without gradients (kv_lens is for decoding) over keys from position 0 that are the
+    sequence's own. With a number offset that holds where q_offset + q_length == kv_length, and
+    kv_lens then cuts no key: the same mask as the offsets give. A static cache's offset (a
+    0-d tensor) cannot be compared without waiting for the GPU, and its keys run past the step
+    (the cache's empty slots, which kv_lens cuts): there it serves the masks of the sequence's
+    own cache, not a bidirectional mask (an encoder's, or cross-attention to one), whose keys
+    are not the sequence's positions."""
+    if kv_offset != 0 or q_length > _STEP_QUERIES or torch.is_grad_enabled():
+        return False
+    if isinstance(q_offset, torch.Tensor):
+        return not _built_by(_BIDIRECTIONAL_BUILDERS)
+    return device is not None and q_offset > 0 and q_offset + q_length == kv_length
+
+
+# transformers' builders of masks whose keys need not be the query's sequence
+_BIDIRECTIONAL_BUILDERS = frozenset({"create_bidirectional_mask", "create_bidirectional_sliding_window_mask"})
+
+
+def _built_by(names: frozenset) -> bool:
+    """Whether a function of transformers.masking_utils named in `names` is building this mask."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name in names and frame.f_globals.get("__name__") == "transformers.masking_utils":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _decoding_step(batch_size: int, q_length: int, kv_length: int, q_offset, mask_function, attention_mask,
