@@ -6,7 +6,7 @@ import torch
 from maskc._graph import outside_graph
 from maskc.analysis.blockmap import BlockMap
 from maskc.inference import decode
-from maskc.runtime import launch, ops, plan
+from maskc.runtime import dispatch, launch, ops, plan
 from maskc.runtime.autograd import AttentionFunction, NoPairs
 from maskc.runtime.dtypes import DTYPES
 from maskc.runtime.kernel import CompiledKernel, kernel_for
@@ -108,20 +108,18 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
         k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
     differentiable = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v))
                                                   or bool(captured_needing_grad(*plan.traces_of(mask, score))))
-    if 0 in (B, Hq, Lq, k.shape[2]):
+    chosen = dispatch.family(q, k, differentiable, block_map, kv_lens)
+    if chosen == dispatch.NO_PAIRS:
         out, lse = NoPairs.apply(q, k, v) if differentiable else launch.no_pairs(q, v)
         return _result(out, lse, sinks, return_lse)
-    if kv_lens is not None or decode.wanted(q, k, differentiable, block_map):
+    if chosen == dispatch.DECODE:
         if differentiable:
             raise NotImplementedError("kv_lens is for decoding and chunked prefill, which maskc runs without "
                                       "gradients; call it under torch.no_grad(), or detach q, k, v and the mods' "
                                       "captured tensors")
         out, lse = decode.contiguous(q, k, v, mask, score, scale, kv_lens, block_map)
         return _result(out, lse, sinks, return_lse)
-    if block_map is not None:
-        problem = plan.given(q, k, v, mask, score, scale, block_map)
-    else:
-        problem = plan.planned(q, k, v, mask, score, scale, launch.seconds)
+    problem = dispatch.prefill_problem(q, k, v, mask, score, scale, block_map)
     if differentiable:
         out, lse = AttentionFunction.apply(q, k, v, problem, *problem.grad_tensors)
     else:

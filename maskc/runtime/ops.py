@@ -36,7 +36,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from maskc.analysis.blockmap import BlockMap
 from maskc.errors import MaskcError
 from maskc.inference import decode as decoding
-from maskc.runtime import launch, plan, state
+from maskc.runtime import dispatch, launch, plan, state
 from maskc.runtime.autograd import refuse_second_derivatives
 from maskc.runtime.tiles import kernel_tiles_of
 from maskc.settings import plan_cache_max_size
@@ -123,17 +123,14 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, s
     mask, score, block_map, k, v = _inputs(mask_key, score_key, map_handle, q, k, v)
     if flex_tiles:
         block_map = converted(flex_tiles, flex_layout[:2], flex_layout[2:], mask)
-    B, Hq, Lq, _ = q.shape
-    if 0 in (B, Hq, Lq, k.shape[2]):
+    chosen = dispatch.family(q, k, differentiable, block_map)  # the eager call's choice, on a converted map too
+    if chosen == dispatch.NO_PAIRS:
         out, lse = launch.no_pairs(q, v)
         return out, lse, torch.tensor(_NO_PAIRS)
-    if decoding.wanted(q, k, differentiable, block_map):  # the eager call's choice, on the converted map too
+    if chosen == dispatch.DECODE:
         out, lse = decoding.contiguous(q, k, v, mask, score, scale, None, block_map)
         return out, lse, torch.tensor(_NO_BACKWARD)
-    if block_map is not None:
-        problem = plan.given(q, k, v, mask, score, scale, block_map)
-    else:
-        problem = plan.planned(q, k, v, mask, score, scale, launch.seconds)
+    problem = dispatch.prefill_problem(q, k, v, mask, score, scale, block_map)
     out, lse = launch.forward(q, k, v, problem)
     return out, lse, torch.tensor(_token(problem))
 
@@ -258,8 +255,7 @@ def paged(q, k_pages, v_pages, page_table, lens, seq_ids, page_size: int, mask_m
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, mask_key: str, score_key: str,
             map_handle: torch.Tensor | None, scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
     mask, score, block_map, k, v = _inputs(mask_key, score_key, map_handle, q, k, v)
-    B, Hq, Lq, _ = q.shape
-    if 0 in (B, Hq, Lq, k.shape[2]):
+    if dispatch.family(q, k, False, block_map, kv_lens) == dispatch.NO_PAIRS:
         return launch.no_pairs(q, v)
     return decoding.contiguous(q, k, v, mask, score, scale, kv_lens, block_map)
 
@@ -275,7 +271,7 @@ def _decode_fake(q, k, v, kv_lens, mask_key, score_key, map_handle, scale, enabl
 def _decode_replayable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor, mask_key: str,
                        score_key: str, scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
     mask, score, _, k, v = _inputs(mask_key, score_key, None, q, k, v)
-    if 0 in q.shape[:3] or k.shape[2] == 0:
+    if dispatch.family(q, k, False, None, kv_lens) == dispatch.NO_PAIRS:
         return launch.no_pairs(q, v)
     return decoding.replayable(q, k, v, mask, score, scale, kv_lens)
 
