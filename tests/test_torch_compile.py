@@ -221,11 +221,12 @@ def test_operators_pass_opcheck():
                for s in range(3))
     softcap = scores.softcap(5.0)
     keys = (masks.causal.key, softcap.key, None)
-    torch.library.opcheck(torch.ops.maskc.attention.default, (q, k, v, *keys, None, False, [], [0, 0, 0, 0], True))
+    torch.library.opcheck(torch.ops.maskc.attention.default,
+                          (q, k, v, *keys, None, False, [], [0, 0, 0, 0], True, None, 0))
     q, k, v = (t.detach() for t in (q, k, v))  # the backward has no backward of its own
-    out, lse, token = torch.ops.maskc.attention(q, k, v, *keys, None, False, [], [0, 0, 0, 0], True)
+    out, lse, token = torch.ops.maskc.attention(q, k, v, *keys, None, False, [], [0, 0, 0, 0], True, None, 0)
     torch.library.opcheck(torch.ops.maskc.attention_backward.default,
-                          (q, k, v, out, lse, token, torch.randn_like(out), None))
+                          (q, k, v, out, lse, token, torch.randn_like(out), None, None, 0))
 
 
 def test_the_backward_returns_gradients_in_the_layout_its_fake_kernel_promises():
@@ -235,8 +236,8 @@ def test_the_backward_returns_gradients_in_the_layout_its_fake_kernel_promises()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, 24, 2, 16, generator=g).transpose(1, 2) for batch in (2, 1, 1))
     keys = (masks.causal.key, "", None)
-    out, lse, token = torch.ops.maskc.attention(q, k, v, *keys, None, False, [], [0, 0, 0, 0], True)
-    args = (q, k, v, out, lse, token, torch.randn_like(out), None)
+    out, lse, token = torch.ops.maskc.attention(q, k, v, *keys, None, False, [], [0, 0, 0, 0], True, None, 0)
+    args = (q, k, v, out, lse, token, torch.randn_like(out), None, None, 0)
     torch.library.opcheck(torch.ops.maskc.attention_backward.default, args)
     for grad, t in zip(torch.ops.maskc.attention_backward(*args), (q, k, v)):
         assert grad.stride() == t.stride()

@@ -168,8 +168,12 @@ def test_refusals_say_why(llama):
     config = transformers.LlamaConfig(**{**TINY, "attention_dropout": 0.1})
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="maskc").train()
     ids = _tokens(1, 8)
-    with pytest.raises(ValueError, match=r"no dropout, got dropout=0.1 .*config.attention_dropout = 0.0"):
-        model(input_ids=ids)
+    cache = transformers.DynamicCache(config=config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)  # a prefill drops while training
+        # a decoding step reaches the decoding kernel, which has no dropout
+        with pytest.raises(ValueError, match=r"dropout=0.1.* decoding step .*model.eval\(\) before generate"):
+            model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
     dense = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
     with pytest.raises(TypeError, match=r"got a 4-d torch.bool tensor .*2-d attention_mask"):
         llama[0](input_ids=ids, attention_mask=dense)

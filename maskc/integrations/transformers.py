@@ -313,23 +313,27 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     [B, Hkv, Lkv, D] (grouped-query attention when Hkv < Hq) with the LayerMask of layer_mask();
     returns (output [B, Lq, Hq, Dv], None): maskc never forms the attention weights.
     `softcap` (Gemma 2's attn_logit_softcapping) becomes a score_mod, and `s_aux` (gpt-oss's
-    sinks parameter, one logit per query head) maskc's sinks. `sliding_window` is
-    already in the LayerMask (it is read only where a layer gets no mask); the flash-attention
-    keywords (cu_seq_lens, position_ids) are ignored.
+    sinks parameter, one logit per query head) maskc's sinks. `dropout` (transformers passes
+    the model's attention_dropout while training and 0.0 in eval mode) becomes
+    compiled_attention's dropout_p, drawn from torch's default generator, so torch.manual_seed
+    reproduces a training step. `sliding_window` is already in the LayerMask (it is read only
+    where a layer gets no mask); the flash-attention keywords (cu_seq_lens, position_ids) are
+    ignored.
     """
-    if dropout:
-        raise ValueError(f"maskc attention has no dropout, got dropout={dropout} (the model's attention_dropout "
-                         f"while training); set config.attention_dropout = 0.0, or train with another "
-                         f"attn_implementation")
     for name, what in (("position_bias", "a position bias tensor (T5-style)"),
                        ("cache", "a paged cache (continuous batching)")):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"maskc attention does not take {what} yet, got {name}; use "
                                       f"attn_implementation='eager' or 'sdpa' for this model")
+    kv_lens = attention_mask.kv_lens if isinstance(attention_mask, LayerMask) else None
+    if dropout and kv_lens is not None:
+        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} drops attention (dropout={dropout}, the model's "
+                         f"attention_dropout in training mode) in a decoding step over a cache, which maskc runs "
+                         f"without dropout; call model.eval() before generate(), or set config.attention_dropout = 0.0")
     out = maskc.compiled_attention(query, key, value, mask_mod=_mask_mod(module, attention_mask, query, key, kwargs),
                                    score_mod=_softcap(softcap) if softcap else None, scale=scaling,
                                    enable_gqa=query.shape[1] != key.shape[1], sinks=kwargs.get("s_aux"),
-                                   kv_lens=attention_mask.kv_lens if isinstance(attention_mask, LayerMask) else None)
+                                   kv_lens=kv_lens, dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -8,6 +8,7 @@ from maskc.analysis.blockmap import BlockMap
 from maskc.inference import decode
 from maskc.runtime import dispatch, launch, ops, plan
 from maskc.runtime.autograd import AttentionFunction, NoPairs
+from maskc.runtime.dropout import check_dropout, draw
 from maskc.runtime.dtypes import DTYPES
 from maskc.runtime.kernel import CompiledKernel, kernel_for
 from maskc.runtime.sinks import check_sinks, with_sinks
@@ -34,6 +35,12 @@ CAPTURED_GRADIENTS = ("maskc: a captured tensor that requires grad gets its grad
                       "outside the graph; detach it inside the compiled code to keep the call in the graph")
 
 
+# Where dropout draws from a generator of the caller's: the graph's draw takes torch's default
+# generator only (Dynamo does not trace a torch.Generator argument), so the call runs outside it.
+WITH_GENERATOR = ("maskc: dropout with generator= runs outside the graph; under torch.compile leave generator=None "
+                  "(dropout draws from torch's default generator, which torch.manual_seed seeds)")
+
+
 def plain_function(mask_mod, score_mod) -> bool:
     """Whether a mod is neither None nor traced by maskc yet (a MaskMod or ScoreMod)."""
     return (mask_mod is not None and not isinstance(mask_mod, MaskMod)) or (
@@ -42,7 +49,8 @@ def plain_function(mask_mod, score_mod) -> bool:
 
 def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enable_gqa=False, return_lse=False,
                        block_map: BlockMap | None = None, kv_lens: torch.Tensor | None = None,
-                       sinks: torch.Tensor | None = None):
+                       sinks: torch.Tensor | None = None, dropout_p: float = 0.0,
+                       generator: torch.Generator | None = None):
     """Attention with a specialised, tile-skipping kernel; differentiable in q, k and v.
 
     q [B, Hq, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv] (FlexAttention's shapes); k and
@@ -77,17 +85,30 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
     nor score-modded. A row with no kept key gives out 0 and lse sinks[h]. Its gradient flows
     with or without kv_lens.
 
+    dropout_p drops each kept probability with that probability and scales the survivors by
+    1/(1 - dropout_p), as SDPA's: out = (softmax(S) ∘ Z / (1 - p)) V, the lse unchanged (pass
+    dropout_p=p if training else 0.0, as SDPA takes it). The keep-mask Z comes from a Philox
+    generator inside the kernels, seeded by one draw from `generator` (a torch.Generator on q's
+    device) or torch's default generator: re-seeding reproduces a call bit for bit, the backward
+    regenerates the same Z, and maskc.testing.dropout_keep gives it. Not with kv_lens (decoding
+    has no dropout); sinks then join the dropped probabilities' softmax as an extra key.
+
     >>> out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.sliding_window(1024))
     >>> out = maskc.compiled_attention(q_step, k_cache, v_cache, mask_mod=maskc.masks.causal, kv_lens=lens)
     >>> out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal, sinks=module.sinks)
     """
+    if dropout_p or generator is not None:
+        check_dropout(dropout_p, generator, q, kv_lens)
     if torch.compiler.is_compiling():
         if plain_function(mask_mod, score_mod):
             return _compiled_attention_outside_graph(q, k, v, mask_mod, score_mod, scale, enable_gqa, return_lse,
-                                                   block_map, kv_lens, sinks)
+                                                   block_map, kv_lens, sinks, dropout_p, generator)
         if kv_lens is None and captured_need_grad_for_dynamo(mask_mod, score_mod):
             return _compiled_attention_for_gradients(q, k, v, mask_mod, score_mod, scale, enable_gqa, return_lse,
-                                                     block_map, sinks=sinks)
+                                                     block_map, sinks=sinks, dropout_p=dropout_p, generator=generator)
+        if generator is not None:
+            return _compiled_attention_with_generator(q, k, v, mask_mod, score_mod, scale, enable_gqa, return_lse,
+                                                      block_map, sinks=sinks, dropout_p=dropout_p, generator=generator)
         # Dynamo traces this branch alone: maskc's Python runs inside the operators (runtime/ops.py),
         # and the sinks' epilogue in the graph, outside them
         if sinks is not None:
@@ -96,7 +117,8 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
             out, lse = ops.decode(q, k, v, kv_lens, mask_mod, score_mod, scale, enable_gqa, block_map)
         else:
             differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-            out, lse = ops.attention(q, k, v, mask_mod, score_mod, scale, enable_gqa, block_map, differentiable)
+            out, lse = ops.attention(q, k, v, mask_mod, score_mod, scale, enable_gqa, block_map, differentiable,
+                                     dropout_p)
         return _result(out, lse, sinks, return_lse)
     plan.check_tensors(q, k, v, enable_gqa)
     if sinks is not None:
@@ -108,7 +130,7 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
         k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
     differentiable = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v))
                                                   or bool(captured_needing_grad(*plan.traces_of(mask, score))))
-    chosen = dispatch.family(q, k, differentiable, block_map, kv_lens)
+    chosen = dispatch.family(q, k, differentiable, block_map, kv_lens, dropping=bool(dropout_p))
     if chosen == dispatch.NO_PAIRS:
         out, lse = NoPairs.apply(q, k, v) if differentiable else launch.no_pairs(q, v)
         return _result(out, lse, sinks, return_lse)
@@ -120,10 +142,11 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
         out, lse = decode.contiguous(q, k, v, mask, score, scale, kv_lens, block_map)
         return _result(out, lse, sinks, return_lse)
     problem = dispatch.prefill_problem(q, k, v, mask, score, scale, block_map)
+    dropout = draw(dropout_p, generator, q.device)
     if differentiable:
-        out, lse = AttentionFunction.apply(q, k, v, problem, *problem.grad_tensors)
+        out, lse = AttentionFunction.apply(q, k, v, problem, dropout, *problem.grad_tensors)
     else:
-        out, lse = launch.forward(q, k, v, problem)
+        out, lse = launch.forward(q, k, v, problem, dropout)
     return _result(out, lse, sinks, return_lse)
 
 
@@ -135,7 +158,7 @@ def _result(out, lse, sinks, return_lse: bool):
 
 
 def paged_attention(q, cache: PagedKVCache, seq_ids, *, mask_mod=None, score_mod=None, scale=None,
-                    enable_gqa=False, return_lse=False, sinks: torch.Tensor | None = None):
+                    enable_gqa=False, return_lse=False, sinks: torch.Tensor | None = None, dropout_p: float = 0.0):
     """Attention of q over the sequences `seq_ids` of a paged cache, without gradients.
 
     q [B, Hq, Lq, D] holds the queries of the last Lq tokens of each listed sequence, whose
@@ -145,12 +168,20 @@ def paged_attention(q, cache: PagedKVCache, seq_ids, *, mask_mod=None, score_mod
     this batch). A step does no host synchronisation and allocates only its outputs, so it
     can be captured in a CUDA graph once a first call has planned it. sinks [Hq] are attention
     sinks, as compiled_attention's (their gradient flows; q's and the cache's do not).
+    dropout_p is taken so that a layer can pass `dropout_p=p if training else 0.0` to either
+    entry point: paged attention decodes, and decoding has no dropout, so any value but 0.0
+    raises ValueError.
 
     >>> cache.append(seq_ids, k_new, v_new)
     >>> out = maskc.paged_attention(q, cache, seq_ids, mask_mod=maskc.masks.causal, enable_gqa=True)
     """
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be a maskc.PagedKVCache, got {type(cache).__name__}")
+    if dropout_p:
+        check_dropout(dropout_p, None, q)  # a value outside [0, 1) gets the range's message
+        raise ValueError(f"dropout is for training, and paged attention decodes, which has none: got "
+                         f"dropout_p={dropout_p}; pass dropout_p=0.0 when decoding (dropout_p=p if training "
+                         f"else 0.0)")
     if torch.compiler.is_compiling():
         if plain_function(mask_mod, score_mod):
             return _paged_attention_outside_graph(q, cache, seq_ids, mask_mod=mask_mod, score_mod=score_mod,
@@ -170,6 +201,7 @@ def paged_attention(q, cache: PagedKVCache, seq_ids, *, mask_mod=None, score_mod
 
 _compiled_attention_outside_graph = outside_graph(compiled_attention, PLAIN_FUNCTION)
 _compiled_attention_for_gradients = outside_graph(compiled_attention, CAPTURED_GRADIENTS)
+_compiled_attention_with_generator = outside_graph(compiled_attention, WITH_GENERATOR)
 _paged_attention_outside_graph = outside_graph(paged_attention, PLAIN_FUNCTION)
 
 

@@ -5,18 +5,20 @@ import torch
 
 from maskc.errors import MaskcError
 from maskc.runtime import launch
+from maskc.runtime.dropout import Dropout
 from maskc.runtime.plan import Problem
 
 
 class AttentionFunction(torch.autograd.Function):
     """Attention differentiable in q, k, v and the captured tensors problem.grad_tensors, which
-    follow `problem` as inputs so that autograd hands their gradients back."""
+    follow `problem` and `dropout` (the call's, or None) as inputs so that autograd hands their
+    gradients back. The backward regenerates the dropout's keep-mask from its seed."""
 
     @staticmethod
-    def forward(ctx, q, k, v, problem: Problem, *captured):
-        out, lse = launch.forward(q, k, v, problem)
+    def forward(ctx, q, k, v, problem: Problem, dropout: Dropout | None, *captured):
+        out, lse = launch.forward(q, k, v, problem, dropout)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.problem = problem
+        ctx.problem, ctx.dropout = problem, dropout
         # an output the loss does not use gets None, not a tensor of zeros: lse mostly
         ctx.set_materialize_grads(False)
         return out, lse
@@ -25,8 +27,8 @@ class AttentionFunction(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         refuse_second_derivatives()
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv, *captured = launch.backward(q, k, v, out, lse, d_out, d_lse, ctx.problem)
-        return dq, dk, dv, None, *captured
+        dq, dk, dv, *captured = launch.backward(q, k, v, out, lse, d_out, d_lse, ctx.problem, dropout=ctx.dropout)
+        return dq, dk, dv, None, None, *captured
 
 
 class NoPairs(torch.autograd.Function):

@@ -5,7 +5,8 @@ it was made (tests/test_torch_compile.py, tests/gpu/test_cuda_graphs.py).
 
 - NO_PAIRS: an empty batch, head, query or key dimension: zeros, no kernel.
 - DECODE: the split-KV decoding kernel (maskc/inference/decode.py): every call with kv_lens,
-  and a call without gradients whose query rows a kv head packs fit one tile (decode.wanted).
+  and a call without gradients or dropout whose query rows a kv head packs fit one tile
+  (decode.wanted). (Dropout with kv_lens is refused before: runtime/api.py.)
 - PREFILL: the prefill kernels (Triton's, or Gluon's on Hopper where runtime/hopper.py chose
   it), through a Problem (runtime/plan.py).
 """
@@ -17,13 +18,14 @@ from maskc.runtime import launch, plan
 NO_PAIRS, DECODE, PREFILL = "no pairs", "decode", "prefill"
 
 
-def family(q, k, differentiable: bool, block_map=None, kv_lens=None) -> str:
+def family(q, k, differentiable: bool, block_map=None, kv_lens=None, dropping: bool = False) -> str:
     """The family of a checked call with queries q and keys k; `differentiable`: whether
-    autograd may record a backward (the decoding kernel has none)."""
+    autograd may record a backward, `dropping`: whether the call has dropout (the decoding
+    kernel has neither)."""
     B, Hq, Lq, _ = q.shape
     if 0 in (B, Hq, Lq, k.shape[2]):
         return NO_PAIRS
-    if kv_lens is not None or decode.wanted(q, k, differentiable, block_map):
+    if kv_lens is not None or (not dropping and decode.wanted(q, k, differentiable, block_map)):
         return DECODE
     return PREFILL
 

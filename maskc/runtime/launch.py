@@ -28,6 +28,7 @@ from maskc._log import slow
 from maskc.errors import MaskcError
 from maskc.runtime import hopper
 from maskc.runtime.descriptors import DESCRIPTOR_MIN_PAIRS, descriptors
+from maskc.runtime.dropout import Dropout
 from maskc.runtime.dtypes import accumulator, dot_precision, interpreter_safe, triton_accumulator
 from maskc.runtime.kernel import CompiledKernel
 from maskc.runtime.plan import Problem, check_unchanged, kernel_scale
@@ -235,6 +236,8 @@ _DQ_CALL = ("Q", "K", "V", "DO", "DQ", "Lse", "Delta", *_strides("q", "bhmd"), *
             *_strides("v", "bhnd"), *_strides("do", "bhmd"), *_strides("dq", "bhmd"))
 _DKDV_CALL = ("Q", "K", "V", "DO", "DK", "DV", "Lse", "Delta", *_strides("q", "bhmd"), *_strides("k", "bhnd"),
               *_strides("v", "bhnd"), *_strides("do", "bhmd"), *_strides("dk", "bhnd"), *_strides("dv", "bhnd"))
+# dropout's, after the others where a call drops (maskc/runtime/dropout.py): the seed and keep_min
+_DROPOUT_CALL = ("Rng", "keep_min")
 
 
 def _map_args(problem: Problem, config: TileConfig, transposed: bool = False) -> dict:
@@ -284,13 +287,14 @@ def outputs(q, dv: int, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     return out, torch.empty((B, Hq, Lq), dtype=accumulator(dtype), device=q.device)
 
 
-def forward(q, k, v, problem: Problem):
-    """(out, lse) from the forward kernel."""
+def forward(q, k, v, problem: Problem, dropout: Dropout | None = None):
+    """(out, lse) from the forward kernel; with `dropout`, the Triton-language kernel's dropping
+    variant (the Gluon kernels have none)."""
     dtype = q.dtype
     given = q
     q, k, v = interpreter_safe(q, k, v)
     out, lse = outputs(given, problem.Dv, q.dtype)
-    if hopper.runs(problem):
+    if dropout is None and hopper.runs(problem):
         tma = hopper.descriptors(q, k, v, out, _gluon_forward_tiles(problem)[0])
         if tma is not None and _launch_gluon(problem, "hfwd", _hopper_plan, (*tma, lse)):
             return out, lse
@@ -301,12 +305,22 @@ def forward(q, k, v, problem: Problem):
         m, n = config.block_m, config.block_n
         tma = descriptors([(q, (1, 1, m, d_pad)), (k, (1, 1, n, d_pad)), (v, (1, 1, n, dv_pad)),
                            (out, (1, 1, m, dv_pad))])
-    launch = problem.launches.get(("fwd", tma is not None)) or _forward_plan(problem, tma is not None)
-    launch(*(tma or (q, k, v, out)), lse, *q.stride(), *k.stride(), *v.stride(), *out.stride())
+    dropping = dropout is not None
+    launch = problem.launches.get(("fwd", tma is not None, dropping)) or _forward_plan(problem, tma is not None,
+                                                                                      dropping)
+    launch(*(tma or (q, k, v, out)), lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+           *((dropout.seed, dropout.keep_min) if dropping else ()))
     return (out if out.dtype == dtype else out.to(dtype)), lse
 
 
-def _forward_plan(problem: Problem, tma: bool) -> LaunchPlan:
+def _dropout_args(dropping: bool) -> tuple[dict, tuple]:
+    """A Triton-language kernel's dropout arguments: (fixed values, per-call names)."""
+    if dropping:
+        return dict(DROPOUT=True), _DROPOUT_CALL
+    return dict(DROPOUT=False, Rng=None, keep_min=0), ()
+
+
+def _forward_plan(problem: Problem, tma: bool, dropping: bool) -> LaunchPlan:
     config = problem.tiles.forward
     even_kv = problem.Lkv % config.block_n == 0
     sizes = _sizes(problem)
@@ -318,10 +332,11 @@ def _forward_plan(problem: Problem, tma: bool) -> LaunchPlan:
         V_UNMASKED=even_kv and sizes["HEAD_DIM_V"] == sizes["DV_PAD"],
         POSITIVE_SCALE=problem.scale > 0, TMA=tma, PARTIAL_STAGES=config.partial_stages,
         BH_GROUP=bh_group(problem.D))
+    drop_fixed, drop_call = _dropout_args(dropping)
     grid = (-(-problem.Lq // config.block_m), problem.B * problem.Hq)
-    plan = LaunchPlan(problem.forward_kernel, "attention_fwd", problem.interpret, grid, fixed, _FORWARD_CALL,
-                      _options(config))
-    problem.launches[("fwd", tma)] = plan
+    plan = LaunchPlan(problem.forward_kernel, "attention_fwd", problem.interpret, grid, {**fixed, **drop_fixed},
+                      _FORWARD_CALL + drop_call, _options(config))
+    problem.launches[("fwd", tma, dropping)] = plan
     return plan
 
 
@@ -406,11 +421,13 @@ def no_pairs(q, v):
 
 
 # -- backward --------------------------------------------------------------------------------
-def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem, *, partial: bool = False):
+def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem, *, partial: bool = False,
+             dropout: Dropout | None = None):
     """dq, dk, dv and the gradients of problem.grad_tensors, from the gradients of out and of
     lse (either may be None: unused). `partial`: dq, dk and dv in the accumulator's precision
     (float32 for half inputs), unrounded, for a caller that sums them over several launches
-    (context parallelism: rounding each part to bf16 loses what the parts cancel)."""
+    (context parallelism: rounding each part to bf16 loses what the parts cancel). `dropout`:
+    the forward's, whose keep-mask the Triton-language kernels regenerate."""
     # every backward comes here (eager autograd, the torch.compile operator, context
     # parallelism), so this is where a captured tensor changed since the forward is refused
     check_unchanged(problem)
@@ -420,7 +437,9 @@ def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem, *, partial: bool
     # some rows (context parallelism's query chunks, maskc/distributed/ring.py)
     lse = lse.contiguous()
     q, k, v, out, d_out = interpreter_safe(q, k, v, out, d_out)
-    launches = problem.launches.get("bwd") or _backward_plans(problem)
+    dropping = dropout is not None
+    launches = problem.launches.get(("bwd", dropping)) or _backward_plans(problem, dropping)
+    drop = (dropout.seed, dropout.keep_min) if dropping else ()
     delta = torch.empty_like(lse)
     launches["delta"](out, d_out, delta, *out.stride(), *d_out.stride())
     if d_lse is not None:
@@ -429,10 +448,10 @@ def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem, *, partial: bool
         delta -= d_lse
     grad_dtype = accumulator(dtype) if partial else q.dtype
     dk, dv = (torch.empty_like(t, dtype=grad_dtype) for t in (k, v))
-    gluon, dq_sum = _gluon_backward(problem, q, k, v, d_out, dk, dv, lse, delta)
+    gluon, dq_sum = (False, None) if dropping else _gluon_backward(problem, q, k, v, d_out, dk, dv, lse, delta)
     if not gluon:
         launches["dkdv"](q, k, v, d_out, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(),
-                         *d_out.stride(), *dk.stride(), *dv.stride())
+                         *d_out.stride(), *dk.stride(), *dv.stride(), *drop)
     # captured tensors' gradients, summed by the dQ kernel as integers in units of 2**-32
     sums = [torch.zeros(t.shape, dtype=torch.int64, device=q.device) for t in problem.grad_tensors]
     if dq_sum is not None:  # the Gluon kernel summed dQ already: no dQ kernel
@@ -451,7 +470,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, problem: Problem, *, partial: bool
                                (d_out, (1, 1, m, dv_pad)), (dq, (1, 1, m, d_pad))])
         launches["dq", tma is not None](*(tma or (q, k, v, d_out, dq)), lse, delta, *q.stride(), *k.stride(),
                                         *v.stride(), *d_out.stride(), *dq.stride(),
-                                        *(x for g in sums for x in (g, *g.stride())))
+                                        *(x for g in sums for x in (g, *g.stride())), *drop)
     grads = [(g.double() * 2.0 ** -32).to(t.dtype) for g, t in zip(sums, problem.grad_tensors)]
     if partial:
         return dq, dk, dv, *grads
@@ -491,13 +510,14 @@ def _hopper_dkdv_plan(problem: Problem, with_dq: bool) -> LaunchPlan:
                       dict(num_warps=config.num_warps, maxnreg=hopper.MAX_REGISTERS))
 
 
-def _backward_plans(problem: Problem) -> dict:
-    """The backward's four launch plans (dQ with and without descriptors)."""
+def _backward_plans(problem: Problem, dropping: bool) -> dict:
+    """The backward's four launch plans (dQ with and without descriptors), dropping or not."""
     kernel = problem.backward_kernel()
     config = problem.tiles.backward
     sizes = _sizes(problem)
     interpret = problem.interpret
-    shared = dict(**sizes, **problem.captured, qk_scale=problem.scale)
+    drop_fixed, drop_call = _dropout_args(dropping)
+    shared = dict(**sizes, **problem.captured, **drop_fixed, qk_scale=problem.scale)
     n_q = -(-problem.Lq // config.dq.block_m)
     plans = {"delta": LaunchPlan(
         kernel, "attention_bwd_delta", interpret, (n_q, problem.B * problem.Hq),
@@ -509,13 +529,13 @@ def _backward_plans(problem: Problem) -> dict:
                   for name in (f"G{slot}", *(f"G{slot}_stride{d}" for d in range(t.dim()))))
     for tma in (False, True):
         plans["dq", tma] = LaunchPlan(kernel, "attention_bwd_dq", interpret, (n_q, problem.B * problem.Hq),
-                                      dict(**dq_fixed, TMA=tma), _DQ_CALL + grads, _options(config.dq))
+                                      dict(**dq_fixed, TMA=tma), _DQ_CALL + grads + drop_call, _options(config.dq))
     plans["dkdv"] = LaunchPlan(
         kernel, "attention_bwd_dkdv", interpret, (-(-problem.Lkv // config.dkdv.block_n), problem.B * problem.Hkv),
         dict(**shared, **_map_args(problem, config.dkdv, transposed=True), BLOCK_M=config.dkdv.block_m,
              BLOCK_N=config.dkdv.block_n, EVEN=problem.Lq % config.dkdv.block_m == 0),
-        _DKDV_CALL, _options(config.dkdv))
-    problem.launches["bwd"] = plans
+        _DKDV_CALL + drop_call, _options(config.dkdv))
+    problem.launches["bwd", dropping] = plans
     return plans
 
 

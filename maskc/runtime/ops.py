@@ -6,7 +6,8 @@ here, which Dynamo traces: it reads the keys of the call's MaskMod and ScoreMod 
 got when it was built; maskc finds the object by its key while it lives) and the BlockMap's
 handle (its serial number as a tensor: a graph input, so a new map of the same shape runs the
 same graph), and the graph records one operator,
-`maskc::attention(q, k, v, mask_key, score_key, map_handle, scale, enable_gqa) -> (out, lse, token)`.
+`maskc::attention(q, k, v, mask_key, score_key, map_handle, scale, enable_gqa, ..., seed, keep_min) -> (out,
+lse, token)` (seed and keep_min: the dropout's, maskc/runtime/dropout.py).
 (An earlier version named the call through `torch.compiler.assume_constant_result`, which
 torch 2.11's Dynamo refuses for arguments that are not constants.)
 
@@ -37,6 +38,7 @@ from maskc.analysis.blockmap import BlockMap
 from maskc.errors import MaskcError
 from maskc.inference import decode as decoding
 from maskc.runtime import dispatch, launch, plan, state
+from maskc.runtime import dropout as dropping
 from maskc.runtime.autograd import refuse_second_derivatives
 from maskc.runtime.tiles import kernel_tiles_of
 from maskc.settings import plan_cache_max_size
@@ -71,10 +73,13 @@ _PYTHON_EACH_CALL = ({"tags": (torch.Tag.cudagraph_unsafe,)}
                      if "tags" in inspect.signature(torch.library.custom_op).parameters else {})
 
 
-def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map, differentiable: bool):
+def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map, differentiable: bool,
+              dropout_p: float = 0.0):
     """(out, lse) of compiled_attention through the maskc operators; what Dynamo traces.
     `differentiable`: whether autograd may record a backward, which the operator needs to choose
     the kernel as the eager call does (the decoding kernel serves only calls without one).
+    With dropout_p, the seed is drawn here, in the graph, from torch's default generator
+    (maskc/runtime/dropout.py), and handed to the operator and its backward as an input.
 
     The mods are named by their keys (strings, made when each was built), which Dynamo reads
     as constants and guards: another mod compiles its own graph, while their values are read
@@ -98,8 +103,10 @@ def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map, 
     # where q, k and v need no gradient no backward is recorded, and the captured tensor's
     # gradient would be missing without a word
     _refuse_traced_captured_gradients(mask_mod, score_mod)
+    drawn = dropping.draw(dropout_p, None, q.device)
     out, lse, _ = torch.ops.maskc.attention(q, k, v, *keys, handle, None if scale is None else float(scale),
-                                            enable_gqa, tiles, layout, differentiable)
+                                            enable_gqa, tiles, layout, differentiable,
+                                            *((drawn.seed, drawn.keep_min) if drawn else (None, 0)))
     return out, lse
 
 
@@ -118,12 +125,14 @@ def _key(mod, kind, what: str, fix: str | None = None) -> str:
 @torch.library.custom_op("maskc::attention", mutates_args=(), **_PYTHON_EACH_CALL)
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, score_key: str,
              map_handle: torch.Tensor | None, scale: float | None, enable_gqa: bool,
-             flex_tiles: list[torch.Tensor], flex_layout: list[int],
-             differentiable: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             flex_tiles: list[torch.Tensor], flex_layout: list[int], differentiable: bool,
+             seed: torch.Tensor | None, keep_min: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mask, score, block_map, k, v = _inputs(mask_key, score_key, map_handle, q, k, v)
     if flex_tiles:
         block_map = converted(flex_tiles, flex_layout[:2], flex_layout[2:], mask)
-    chosen = dispatch.family(q, k, differentiable, block_map)  # the eager call's choice, on a converted map too
+    dropout = None if seed is None else dropping.Dropout(seed, keep_min)
+    # the eager call's choice, on a converted map too
+    chosen = dispatch.family(q, k, differentiable, block_map, dropping=dropout is not None)
     if chosen == dispatch.NO_PAIRS:
         out, lse = launch.no_pairs(q, v)
         return out, lse, torch.tensor(_NO_PAIRS)
@@ -131,13 +140,13 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, s
         out, lse = decoding.contiguous(q, k, v, mask, score, scale, None, block_map)
         return out, lse, torch.tensor(_NO_BACKWARD)
     problem = dispatch.prefill_problem(q, k, v, mask, score, scale, block_map)
-    out, lse = launch.forward(q, k, v, problem)
+    out, lse = launch.forward(q, k, v, problem, dropout)
     return out, lse, torch.tensor(_token(problem))
 
 
 @_forward.register_fake
 def _forward_fake(q, k, v, mask_key, score_key, map_handle, scale, enable_gqa, flex_tiles, flex_layout,
-                  differentiable):
+                  differentiable, seed, keep_min):
     # runs at trace time: wrong inputs fail there, with the eager call's errors
     plan.check_tensors(q, k, v, enable_gqa)
     return *launch.outputs(q, v.shape[3]), torch.empty((), dtype=torch.int64)
@@ -298,8 +307,8 @@ def _paged_fake(q, k_pages, v_pages, page_table, lens, seq_ids, page_size, mask_
 # -- backward --------------------------------------------------------------------------------
 @torch.library.custom_op("maskc::attention_backward", mutates_args=(), **_PYTHON_EACH_CALL)
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-              token: torch.Tensor, d_out: torch.Tensor | None,
-              d_lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              token: torch.Tensor, d_out: torch.Tensor | None, d_lse: torch.Tensor | None,
+              seed: torch.Tensor | None, keep_min: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     token = int(token)
     if token == _NO_PAIRS:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -317,7 +326,8 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     B = q.shape[0]
     shared = k.shape[0] != B
     batched = (k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)) if shared else (k, v)
-    dq, dk, dv = launch.backward(q, *batched, out, lse, d_out, d_lse, problem)
+    dropout = None if seed is None else dropping.Dropout(seed, keep_min)
+    dq, dk, dv = launch.backward(q, *batched, out, lse, d_out, d_lse, problem, dropout=dropout)
     if shared:  # k and v served every batch of q: their gradients sum over it
         dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
     return _like(dq, q), _like(dk, k), _like(dv, v)
@@ -335,7 +345,7 @@ def _like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 @_backward.register_fake
-def _backward_fake(q, k, v, out, lse, token, d_out, d_lse):
+def _backward_fake(q, k, v, out, lse, token, d_out, d_lse, seed, keep_min):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -345,14 +355,15 @@ def _setup_context(ctx, inputs, output):
     q, k, v = inputs[:3]
     ctx.n_tiles = len(inputs[8])  # flex_tiles' gradient is a list of as many Nones
     out, lse, token = output
-    ctx.save_for_backward(q, k, v, out, lse, token)
+    ctx.save_for_backward(q, k, v, out, lse, token, inputs[11])  # inputs[11]: the dropout's seed, or None
+    ctx.keep_min = inputs[12]
 
 
 def _grad(ctx, d_out, d_lse, _):
     refuse_second_derivatives()
-    q, k, v, out, lse, token = ctx.saved_tensors
-    dq, dk, dv = torch.ops.maskc.attention_backward(q, k, v, out, lse, token, d_out, d_lse)
-    return dq, dk, dv, None, None, None, None, None, [None] * ctx.n_tiles, None, None
+    q, k, v, out, lse, token, seed = ctx.saved_tensors
+    dq, dk, dv = torch.ops.maskc.attention_backward(q, k, v, out, lse, token, d_out, d_lse, seed, ctx.keep_min)
+    return dq, dk, dv, None, None, None, None, None, [None] * ctx.n_tiles, None, None, None, None
 
 
 _forward.register_autograd(_grad, setup_context=_setup_context)

@@ -9,6 +9,7 @@ The strategies need hypothesis (the `test` extra) and are imported on first use:
 """
 from maskc.testing.asserts import (assert_block_map_exact, assert_block_map_sound, assert_close_to_reference,
                                   assert_gradient_close_to_reference)
+from maskc.testing.dropout import dropout_keep, dropout_scale
 from maskc.testing.reference import attention_reference, decode_reference, dense_mask, dense_tiles
 
 _STRATEGIES = ("AttentionInputs", "MaskCase", "attention_inputs", "block_sizes", "doc_ids", "lengths", "mask_cases",
@@ -26,4 +27,5 @@ def __getattr__(name):
 
 __all__ = ["assert_block_map_exact", "assert_block_map_sound", "assert_close_to_reference",
            "assert_gradient_close_to_reference", "attention_reference", "decode_reference", "dense_mask", "dense_tiles",
+           "dropout_keep", "dropout_scale",
            *_STRATEGIES]

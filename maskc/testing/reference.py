@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from maskc.testing.dropout import dropout_scale
 
 
 def dense_mask(mask_mod, q_len: int, kv_len: int, B: int = 1, H: int = 1, device=None) -> torch.Tensor:
@@ -55,14 +56,17 @@ def dense_tiles(mask: torch.Tensor, block_size) -> torch.Tensor:
     return torch.where(all_kept, 2, torch.where(any_kept, 1, 0)).to(torch.int8)
 
 
-def attention_reference(q, k, v, mask_mod=None, score_mod=None, scale=None, enable_gqa=False, sinks=None):
+def attention_reference(q, k, v, mask_mod=None, score_mod=None, scale=None, enable_gqa=False, sinks=None,
+                        dropout_keep=None, dropout_p: float = 0.0):
     """(out, lse) in float64 by the definition, with FlexAttention's semantics.
 
     q [B, Hq, Lq, D], k [B, Hkv, Lkv, D], v [B, Hkv, Lkv, Dv]. Fully masked rows give
     out = 0 and lse = -inf. `lse` is the natural-log sum of exp of the modified scores.
     `sinks` [Hq], one logit per query head, is one more column of every row's scores, not
     scaled, not score-modded, never masked, with no value: a fully masked row then gives
-    out = 0 and lse = sinks[h].
+    out = 0 and lse = sinks[h]. `dropout_keep` (bool [B, Hq, Lq, Lkv], maskc.testing.dropout_keep)
+    with `dropout_p`: the probabilities it drops are 0 and the rest scaled as the kernels scale
+    them (dropout_scale); the lse is unchanged.
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lkv = k.shape[1], k.shape[2]
@@ -94,6 +98,8 @@ def attention_reference(q, k, v, mask_mod=None, score_mod=None, scale=None, enab
     probs = torch.softmax(kept, dim=-1).masked_fill(empty, 0.0)
     if sinks is not None:
         probs = probs[..., :-1]  # the sink's share of the row goes to no value
+    if dropout_keep is not None:
+        probs = probs * dropout_keep.to(dev) * dropout_scale(dropout_p)
     return torch.einsum("bhqk,bhkd->bhqd", probs, v), lse
 
 
