@@ -351,3 +351,36 @@ def test_dropout_with_kv_lens_is_refused_and_zero_decodes():
         maskc.compiled_attention(q, k, v, kv_lens=kv_lens, dropout_p=0.1)
     out = maskc.compiled_attention(q, k, v, kv_lens=kv_lens, dropout_p=0.0)  # the fix the message gives
     assert torch.equal(out, maskc.compiled_attention(q, k, v, kv_lens=kv_lens))
+
+
+def test_activation_checkpointing_recomputes_the_same_seed():
+    # non-reentrant checkpointing runs the forward again in the backward; torch's default
+    # generator is restored for it, so the recomputed seed, out and lse are the call's
+    q, k, v = (randn(1, 2, 40, 16, seed=s, dtype=torch.float64).requires_grad_() for s in range(3))
+    d_out = randn(1, 2, 40, 16, seed=9, dtype=torch.float64)
+
+    def attend(q, k, v):
+        return maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal, dropout_p=0.3)
+
+    grads = []
+    for run in (attend, lambda *t: torch.utils.checkpoint.checkpoint(attend, *t, use_reentrant=False)):
+        torch.manual_seed(4)
+        out = run(q, k, v)
+        grads.append(torch.autograd.grad(out, (q, k, v), d_out))
+    for plain, checkpointed in zip(*grads):
+        torch.testing.assert_close(checkpointed, plain, atol=1e-12, rtol=1e-12)
+
+
+def test_a_tensor_dropout_p_is_refused():
+    q = randn(1, 1, 16, 16)
+    with pytest.raises(ValueError, match=r"dropout_p is the probability .* got tensor"):
+        maskc.compiled_attention(q, q, q, dropout_p=torch.tensor(0.1))
+
+
+def test_a_generator_with_dropout_p_zero_stays_in_the_graph():
+    # `dropout_p=p if training else 0.0, generator=g`: in eval mode nothing is drawn, nothing breaks
+    q = randn(1, 1, 16, 16)
+    g = torch.Generator().manual_seed(0)
+    compiled = torch.compile(lambda q: maskc.compiled_attention(q, q, q, mask_mod=maskc.masks.causal, dropout_p=0.0,
+                                                                generator=g), backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(q), maskc.compiled_attention(q, q, q, mask_mod=maskc.masks.causal))

@@ -17,7 +17,7 @@ from maskc.analysis.blockmap import _BY_SERIAL
 from maskc.inference import decode
 from maskc.runtime import ops, plan
 from maskc.runtime.cache import KERNELS
-from maskc.trace.mods import _BY_KEY
+from maskc.trace.mods import _BY_SERIAL as _MODS_BY_SERIAL
 
 CALLS, WARM_UP = 5000, 500
 MIB = 1 << 20
@@ -76,7 +76,7 @@ def _call(i: int, rng: random.Random) -> None:
 def _sizes() -> dict:
     return {"plans": (len(plan.PLANS), plan.PLANS.nbytes), "block maps": (len(plan.BLOCK_MAPS), plan.BLOCK_MAPS.nbytes),
             "decodes": (len(decode.DECODES), decode.DECODES.nbytes), "kernels": KERNELS.info().currsize,
-            "pending backwards": len(ops._forwards), "live mods": len(_BY_KEY), "live block maps": len(_BY_SERIAL)}
+            "pending backwards": len(ops._forwards), "live mods": len(_MODS_BY_SERIAL), "live block maps": len(_BY_SERIAL)}
 
 
 @pytest.mark.slow

@@ -77,7 +77,7 @@ def test_cache_info_reports_every_registered_cache_with_its_bound(fresh_caches):
         if found.maxsize is not None:
             assert found.currsize <= found.maxsize, name
     for name in ("runtime.plan.PLANS", "runtime.plan.BLOCK_MAPS", "runtime.cache.KERNELS", "inference.decode.DECODES",
-                 "runtime.ops._forwards", "runtime.ops.CONVERTED", "trace.mods._BY_KEY"):
+                 "runtime.ops._forwards", "runtime.ops.CONVERTED", "trace.mods._BY_SERIAL"):
         assert info[name].currsize > 0, name
     # the kernels are bounded by count, the plans by count and by the bytes they keep alive
     assert info["runtime.cache.KERNELS"].maxsize is not None
@@ -93,7 +93,7 @@ def test_clear_caches_empties_them_in_memory_only_and_calls_stay_right(fresh_cac
     for name, cache in state.CACHES.items():
         if cache.clear is not None:
             assert info[name].currsize == 0, name
-    assert info["trace.mods._BY_KEY"].currsize > 0  # live mods stay findable by key: not a cache
+    assert info["trace.mods._BY_SERIAL"].currsize > 0  # live mods stay findable by key: not a cache
     assert sorted(p.name for p in maskc.runtime.cache_dir().glob("*.py")) == on_disk  # the files stay
     _calls()  # everything built again, from the files on disk
     assert maskc.runtime.cache_info().misses == 0 and maskc.runtime.cache_info().disk_hits > 0

@@ -4,6 +4,8 @@ gradients, and no recompile when the mods' captured values change (maskc/runtime
 CPU tensors run the kernels through Triton's interpreter, so shapes stay tiny; the backends are
 the eager-friendly ones ("aot_eager" runs AOTAutograd's forward and backward graphs).
 """
+import functools
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -128,6 +130,75 @@ def test_captured_values_change_without_recompile():
     assert maskc.runtime.cache_info().misses == kernels, "a captured value changed the kernel"
 
 
+def _window_closure(window):
+    def within(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+    return maskc.mask_mod(within)
+
+
+def _band(b, h, q_idx, kv_idx, lo, hi):
+    return (q_idx - kv_idx >= lo) & (q_idx - kv_idx <= hi)
+
+
+def _key_bias(bias):
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+    return maskc.score_mod(biased)
+
+
+# (mask_mod, score_mod, block_map) of step 0, 1, 2: a new mod (or map) each step, of the same
+# structure, with new captured numbers or tensors of the same shape
+NEW_EACH_STEP = {
+    "document ids": lambda i: (masks.document(torch.tensor([0] * (9 + 5 * i) + [1] * (L - 9 - 5 * i)), causal=True),
+                               None, None),
+    "sliding window": lambda i: (masks.sliding_window((8, 16, 3)[i]), None, None),
+    "prefix LM": lambda i: (masks.prefix_lm((5, 12, 30)[i]), None, None),
+    "user closure": lambda i: (_window_closure((8, 16, 3)[i]), None, None),
+    "functools.partial": lambda i: (maskc.mask_mod(functools.partial(_band, lo=-i, hi=4 + 3 * i)), None, None),
+    "score mod's tensor": lambda i: (masks.causal, _key_bias(randn(L, seed=10 + i)), None),
+    "block map": lambda i: (None, None, maskc.block_map(masks.sliding_window((8, 16, 3)[i]), L, L, block_size=16)),
+}
+
+
+@pytest.mark.parametrize("case", NEW_EACH_STEP)
+def test_new_mods_of_one_structure_compile_once(case):
+    """A training step given a new mod (a factory's, a closure's, a partial's) or a new block map
+    each step runs one compiled graph: the operator names mods and maps by handles, graph inputs
+    guarded on shape alone, and reads their values when it runs."""
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def step(q, k, v, mask_mod, score_mod, block_map):
+        return maskc.compiled_attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, block_map=block_map)
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for i in range(3):
+        mods = NEW_EACH_STEP[case](i)
+        leaves = [randn(1, HEADS, L, DIM // HEADS, seed=3 * i + s).requires_grad_() for s in range(3)]
+        out = compiled(*leaves, *mods)
+        d_out = randn(*out.shape, seed=20 + i)
+        grads = torch.autograd.grad(out, leaves, d_out)
+        eager_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+        want = step(*eager_leaves, *mods)
+        want_grads = torch.autograd.grad(want, eager_leaves, d_out)
+        _assert_same(out, want)
+        for got, expected in zip(grads, want_grads):
+            _assert_same(got, expected)
+    assert counter.frame_count == 1 and _no_graph_breaks()
+
+
+def test_compiled_attention_takes_a_torch_block_mask_as_flex_attention_does():
+    q, k, v = (randn(1, HEADS, L, 16, seed=s, dtype=torch.float64) for s in range(3))
+    want, _ = attention_reference(q, k, v, masks.causal)
+    ours = maskc.create_block_mask(masks.causal, None, None, L, L, device="cpu", BLOCK_SIZE=16)
+    theirs = torch.nn.attention.flex_attention.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None,
+                                                                 None, L, L, device="cpu", BLOCK_SIZE=16)
+    for block_mask in (ours, theirs):
+        assert_close_to_reference(maskc.compiled_attention(q, k, v, block_map=block_mask), want, torch.float64)
+    compiled = torch.compile(lambda q, k, v, bm: maskc.compiled_attention(q, k, v, block_map=bm), backend="aot_eager",
+                             fullgraph=True)
+    assert_close_to_reference(compiled(q, k, v, ours), want, torch.float64)
+
+
 def test_a_new_length_recompiles_once():
     # the first new length makes the graph's lengths symbolic (Dynamo's automatic dynamic
     # shapes); later lengths reuse it. maskc plans each length when the operator runs.
@@ -160,8 +231,9 @@ def test_lse_gqa_and_shared_kv():
     assert _no_graph_breaks()
 
 
-def test_another_mod_gets_its_own_graph():
-    # the graph names its mods: Dynamo guards on which objects they are
+def test_another_mod_runs_the_same_graph():
+    # the graph names its mods by handles, graph inputs: another mod runs the same graph, whose
+    # operator reads it when it runs; a map where there was none is another input, a new graph
     def attend(q, mask_mod, block_map=None):
         return maskc.compiled_attention(q, q, q, mask_mod=mask_mod, block_map=block_map)
 
@@ -170,8 +242,8 @@ def test_another_mod_gets_its_own_graph():
     q = torch.randn(1, 2, 32, 16, generator=torch.Generator().manual_seed(3))
     sliding = masks.sliding_window(4)
     bm = maskc.block_map(sliding, 32, 32, block_size=16)
-    for mask_mod, block_map, frames in ((masks.causal, None, 1), (sliding, None, 2), (masks.causal, None, 2),
-                                        (None, bm, 3)):
+    for mask_mod, block_map, frames in ((masks.causal, None, 1), (sliding, None, 1), (masks.causal, None, 1),
+                                        (None, bm, 2)):
         _assert_same(compiled(q, mask_mod, block_map), attend(q, mask_mod, block_map))
         assert counter.frame_count == frames
 
@@ -220,11 +292,11 @@ def test_operators_pass_opcheck():
     q, k, v = (torch.randn(1, 2, 24, 16, generator=torch.Generator().manual_seed(s), requires_grad=True)
                for s in range(3))
     softcap = scores.softcap(5.0)
-    keys = (masks.causal.key, softcap.key, None)
+    mods = (masks.causal.handle, softcap.handle, None)
     torch.library.opcheck(torch.ops.maskc.attention.default,
-                          (q, k, v, *keys, None, False, [], [0, 0, 0, 0], True, None, 0))
+                          (q, k, v, *mods, None, False, [], [0, 0, 0, 0], True, None, 0))
     q, k, v = (t.detach() for t in (q, k, v))  # the backward has no backward of its own
-    out, lse, token = torch.ops.maskc.attention(q, k, v, *keys, None, False, [], [0, 0, 0, 0], True, None, 0)
+    out, lse, token = torch.ops.maskc.attention(q, k, v, *mods, None, False, [], [0, 0, 0, 0], True, None, 0)
     torch.library.opcheck(torch.ops.maskc.attention_backward.default,
                           (q, k, v, out, lse, token, torch.randn_like(out), None, None, 0))
 
@@ -235,8 +307,8 @@ def test_the_backward_returns_gradients_in_the_layout_its_fake_kernel_promises()
     # compiled step failed there, dQ from the Gluon kernel; on CPU: k and v shared by a batch)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, 24, 2, 16, generator=g).transpose(1, 2) for batch in (2, 1, 1))
-    keys = (masks.causal.key, "", None)
-    out, lse, token = torch.ops.maskc.attention(q, k, v, *keys, None, False, [], [0, 0, 0, 0], True, None, 0)
+    mods = (masks.causal.handle, None, None)
+    out, lse, token = torch.ops.maskc.attention(q, k, v, *mods, None, False, [], [0, 0, 0, 0], True, None, 0)
     args = (q, k, v, out, lse, token, torch.randn_like(out), None, None, 0)
     torch.library.opcheck(torch.ops.maskc.attention_backward.default, args)
     for grad, t in zip(torch.ops.maskc.attention_backward(*args), (q, k, v)):
@@ -420,3 +492,25 @@ def test_a_short_query_runs_the_same_kernel_eagerly_and_compiled(lens, monkeypat
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert ran == ["decode", "decode"] and _no_graph_breaks()
+
+
+def test_a_mod_built_on_the_meta_device_is_named_from_the_cpu():
+    # torchtitan builds models under torch.device("meta"): a handle made there would send the
+    # operator to its fake kernel (uninitialised outputs)
+    with torch.device("meta"):
+        mod = masks.sliding_window(5)
+    assert mod.handle.device.type == "cpu"
+    q = randn(1, HEADS, L, 16, seed=4)
+    compiled = torch.compile(lambda q: maskc.compiled_attention(q, q, q, mask_mod=mod), backend="aot_eager",
+                             fullgraph=True)
+    _assert_same(compiled(q), maskc.compiled_attention(q, q, q, mask_mod=mod))
+
+
+def test_a_block_mask_with_a_plain_mask_mod_runs_outside_the_graph_and_another_mask_mod_is_refused():
+    q = randn(1, HEADS, L, 16, seed=5, dtype=torch.float64)
+    theirs = torch.nn.attention.flex_attention.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None,
+                                                                 None, L, L, device="cpu", BLOCK_SIZE=16)
+    compiled = torch.compile(lambda q, bm: maskc.compiled_attention(q, q, q, block_map=bm), backend="aot_eager")
+    assert_close_to_reference(compiled(q, theirs), attention_reference(q, q, q, masks.causal)[0], torch.float64)
+    with pytest.raises(ValueError, match="a BlockMask carries its own mask_mod"):
+        maskc.compiled_attention(q, q, q, mask_mod=masks.sliding_window(4), block_map=theirs)

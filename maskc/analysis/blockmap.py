@@ -96,7 +96,7 @@ class BlockMap:
         serial = next(_SERIAL)
         # A tensor, not a string: a compiled graph takes it as an input, so a new map of the same
         # shape runs the same graph, where a string would be a constant the graph is guarded on.
-        self.handle = torch.tensor(serial)
+        self.handle = torch.tensor(serial, dtype=torch.int64, device="cpu")  # (not the default device: meta, cuda)
         _BY_SERIAL[serial] = self
 
     @staticmethod

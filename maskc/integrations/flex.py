@@ -25,7 +25,7 @@ from maskc.masks import and_masks, or_masks
 from maskc.runtime import compiled_attention, ops, state
 from maskc.runtime.api import CAPTURED_GRADIENTS, PLAIN_FUNCTION, plain_function
 from maskc.runtime.tiles import kernel_tiles_of
-from maskc.trace import MaskMod, as_mask_mod
+from maskc.trace import MaskMod
 from maskc.trace.mods import captured_need_grad_for_dynamo
 
 _log = logging.getLogger(__name__)
@@ -44,7 +44,6 @@ noop_mask = MaskMod(torch_flex.noop_mask, name="noop_mask")
 TORCH_TYPES = ("AuxOutput", "AuxRequest", "FlexKernelOptions")
 
 _NO_OP_BLOCK = 1 << 30  # torch's _LARGE_SPARSE_BLOCK_SIZE
-_TILE_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 # kernel_options key sets already reported as ignored, so the log says it once.
 _IGNORED_REPORTED = state.lru(__name__, "_IGNORED_REPORTED", "the kernel_options key sets logged as ignored", 64)
 
@@ -149,8 +148,7 @@ def converted(block_mask) -> BlockMap:
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a BlockMask from create_block_mask (maskc's or torch's) or a "
                         f"maskc.BlockMap, got {type(block_mask).__name__}")
-    return ops.converted([getattr(block_mask, name) for name in _TILE_TENSORS], block_mask.seq_lengths,
-                         block_mask.BLOCK_SIZE, as_mask_mod(block_mask.mask_mod))
+    return ops.converted_block_mask(block_mask)
 
 
 def _check_fits(bm: BlockMap, query, key) -> None:

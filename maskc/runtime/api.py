@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from maskc._graph import outside_graph
 from maskc.analysis.blockmap import BlockMap
@@ -63,7 +64,9 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
     A block_map must come from maskc.block_map() for this mask, its values and captured
     tensors, with tiles that are powers of two from 16 to 256 (any of them: the kernels read
     it at their own tiles); without mask_mod, the map's own mask runs (as FlexAttention takes
-    a BlockMask's).
+    a BlockMask's). A torch BlockMask (create_block_mask, maskc's or torch's) is taken too, as
+    maskc.flex_attention takes it: its tiles decide which blocks run, its own mask_mod the
+    pairs of the others (pass mask_mod=None, or the same one).
 
     The kernels read the mods' captured tensors at every call; the block map built from the
     mask's is reused while each tensor's version and storage are unchanged, which any write
@@ -91,22 +94,31 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
     generator inside the kernels, seeded by one draw from `generator` (a torch.Generator on q's
     device) or torch's default generator: re-seeding reproduces a call bit for bit, the backward
     regenerates the same Z, and maskc.testing.dropout_keep gives it. Not with kv_lens (decoding
-    has no dropout); sinks then join the dropped probabilities' softmax as an extra key.
+    has no dropout); sinks then join the dropped probabilities' softmax as an extra key. Under
+    activation checkpointing use torch's default generator, whose state checkpointing restores
+    for the recomputed forward (a generator of yours draws another seed there). Under
+    torch.compile the seed is drawn in the graph from the default generator (Inductor's random
+    stream, not eager's: dropout_keep reproduces eager and aot_eager calls) and each distinct
+    dropout_p is a constant of the graph (a new value compiles a new one).
 
     >>> out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.sliding_window(1024))
     >>> out = maskc.compiled_attention(q_step, k_cache, v_cache, mask_mod=maskc.masks.causal, kv_lens=lens)
     >>> out = maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.causal, sinks=module.sinks)
     """
-    if dropout_p or generator is not None:
+    if generator is not None or not isinstance(dropout_p, (int, float)) or dropout_p:
         check_dropout(dropout_p, generator, q, kv_lens)
+    if isinstance(block_map, BlockMask) and mask_mod is not None and mask_mod is not block_map.mask_mod:
+        raise ValueError("a BlockMask carries its own mask_mod, whose tiles it lists; pass mask_mod=None to run it, or "
+                         "build the BlockMask from this mask_mod (maskc.create_block_mask(mask_mod, ...))")
     if torch.compiler.is_compiling():
-        if plain_function(mask_mod, score_mod):
+        if plain_function(mask_mod, score_mod) or (isinstance(block_map, BlockMask)
+                                                   and plain_function(block_map.mask_mod, None)):
             return _compiled_attention_outside_graph(q, k, v, mask_mod, score_mod, scale, enable_gqa, return_lse,
                                                    block_map, kv_lens, sinks, dropout_p, generator)
         if kv_lens is None and captured_need_grad_for_dynamo(mask_mod, score_mod):
             return _compiled_attention_for_gradients(q, k, v, mask_mod, score_mod, scale, enable_gqa, return_lse,
                                                      block_map, sinks=sinks, dropout_p=dropout_p, generator=generator)
-        if generator is not None:
+        if generator is not None and dropout_p:
             return _compiled_attention_with_generator(q, k, v, mask_mod, score_mod, scale, enable_gqa, return_lse,
                                                       block_map, sinks=sinks, dropout_p=dropout_p, generator=generator)
         # Dynamo traces this branch alone: maskc's Python runs inside the operators (runtime/ops.py),
@@ -114,6 +126,10 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
         if sinks is not None:
             check_sinks(sinks, q)
         if kv_lens is not None:
+            if isinstance(block_map, BlockMask):
+                raise TypeError("under torch.compile, a call with kv_lens takes a maskc.BlockMap, not a torch "
+                                "BlockMask; build it with maskc.block_map(mask_mod, kv_len, kv_len) outside the "
+                                "compiled code")
             out, lse = ops.decode(q, k, v, kv_lens, mask_mod, score_mod, scale, enable_gqa, block_map)
         else:
             differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -123,6 +139,8 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
     plan.check_tensors(q, k, v, enable_gqa)
     if sinks is not None:
         check_sinks(sinks, q)
+    if isinstance(block_map, BlockMask):  # as maskc.flex_attention takes one: converted once, then found again
+        block_map = ops.converted_block_mask(block_map)
     mask, score = plan.mask_of_call(as_mask_mod(mask_mod), block_map), as_score_mod(score_mod)
     B, Hq, Lq, D = q.shape
     if k.shape[0] != B:

@@ -17,8 +17,10 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, problem: Problem, dropout: Dropout | None, *captured):
         out, lse = launch.forward(q, k, v, problem, dropout)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.problem, ctx.dropout = problem, dropout
+        # the seed is saved with out and lse, so that a recomputed forward (activation
+        # checkpointing) hands the backward its own seed with its own out and lse
+        ctx.save_for_backward(q, k, v, out, lse, *((dropout.seed,) if dropout else ()))
+        ctx.problem, ctx.keep_min = problem, dropout.keep_min if dropout else None
         # an output the loss does not use gets None, not a tensor of zeros: lse mostly
         ctx.set_materialize_grads(False)
         return out, lse
@@ -26,8 +28,9 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_lse):
         refuse_second_derivatives()
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv, *captured = launch.backward(q, k, v, out, lse, d_out, d_lse, ctx.problem, dropout=ctx.dropout)
+        q, k, v, out, lse, *seed = ctx.saved_tensors
+        dropout = Dropout(seed[0], ctx.keep_min) if seed else None
+        dq, dk, dv, *captured = launch.backward(q, k, v, out, lse, d_out, d_lse, ctx.problem, dropout=dropout)
         return dq, dk, dv, None, None, *captured
 
 

@@ -35,11 +35,6 @@ class Dropout:
     seed: torch.Tensor
     keep_min: int
 
-    @property
-    def scale(self) -> float:
-        """What the survivors are multiplied by: 1 / (1 - keep_min / 2¹⁶)."""
-        return 2 ** KEEP_BITS / (2 ** KEEP_BITS - self.keep_min)
-
 
 def keep_min(dropout_p: float) -> int:
     """⌊p · 2¹⁶⌋: the threshold the 16 random bits of a pair must reach for it to be kept."""
@@ -58,7 +53,8 @@ def check_dropout(dropout_p, generator, q, kv_lens=None) -> None:
                          f"training else 0.0)")
     if generator is not None:
         if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}; pass "
+                            f"torch.Generator(device=q.device), seeded with .manual_seed(n), or None")
         if torch.device(generator.device).type != q.device.type:
             raise ValueError(f"dropout draws its seed on q's device, {q.device}, but the generator is on "
                              f"{generator.device}; pass torch.Generator(device=q.device) (or None: torch's default "

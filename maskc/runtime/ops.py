@@ -2,12 +2,15 @@
 
 Dynamo must not trace maskc's Python (sympy tracing, plans, block maps, launches), and
 `fullgraph=True` allows no graph break, so under Dynamo compiled_attention calls `attention()`
-here, which Dynamo traces: it reads the keys of the call's MaskMod and ScoreMod (strings each
-got when it was built; maskc finds the object by its key while it lives) and the BlockMap's
-handle (its serial number as a tensor: a graph input, so a new map of the same shape runs the
-same graph), and the graph records one operator,
-`maskc::attention(q, k, v, mask_key, score_key, map_handle, scale, enable_gqa, ..., seed, keep_min) -> (out,
-lse, token)` (seed and keep_min: the dropout's, maskc/runtime/dropout.py).
+here, which Dynamo traces: it reads the handles of the call's MaskMod, ScoreMod and BlockMap
+(each one's serial number as a tensor, made when it was built; maskc finds the object by its
+handle while it lives). A handle is a graph input, guarded on shape and dtype alone, so a new
+mod or map of the same kind (a factory's new window, new document ids, a new map each batch)
+runs the same graph. The graph records one operator,
+`maskc::attention(q, k, v, mask_handle, score_handle, map_handle, scale, enable_gqa, ..., seed, keep_min) ->
+(out, lse, token)` (seed and keep_min: the dropout's, maskc/runtime/dropout.py). The decoding
+operators name mods by their keys (strings) instead: a CUDA graph may record them, and it takes
+no CPU tensor as an input.
 (An earlier version named the call through `torch.compiler.assume_constant_result`, which
 torch 2.11's Dynamo refuses for arguments that are not constants.)
 
@@ -32,6 +35,7 @@ import threading
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn.attention.flex_attention import BlockMask
 
 from maskc.analysis.blockmap import BlockMap
@@ -42,7 +46,8 @@ from maskc.runtime import dropout as dropping
 from maskc.runtime.autograd import refuse_second_derivatives
 from maskc.runtime.tiles import kernel_tiles_of
 from maskc.settings import plan_cache_max_size
-from maskc.trace.mods import MaskMod, ScoreMod, captured_need_grad_for_dynamo, captured_needing_grad, mod_of_key
+from maskc.trace.mods import (MaskMod, ScoreMod, as_mask_mod, captured_need_grad_for_dynamo, captured_needing_grad,
+                              mod_of_handle, mod_of_key)
 
 _lock = threading.Lock()
 
@@ -81,10 +86,11 @@ def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map, 
     With dropout_p, the seed is drawn here, in the graph, from torch's default generator
     (maskc/runtime/dropout.py), and handed to the operator and its backward as an input.
 
-    The mods are named by their keys (strings, made when each was built), which Dynamo reads
-    as constants and guards: another mod compiles its own graph, while their values are read
-    by the operator when it runs. A BlockMap is named by its handle, a tensor input; a torch
-    BlockMask (from maskc.flex_attention) by its tile tensors, converted when the operator runs."""
+    The mods and a BlockMap are named by their handles (serial numbers as tensors: graph inputs,
+    which Dynamo guards on shape and dtype alone), so a new mod or map of the same kind runs the
+    same graph: a factory's new window, new document ids or a new map each step recompile
+    nothing, and the values are read by the operator when it runs. A torch BlockMask (from
+    maskc.flex_attention) is named by its tile tensors, converted when the operator runs."""
     handle, tiles, layout = None, [], [0, 0, 0, 0]
     if isinstance(block_map, BlockMask):
         mask_mod = block_map.mask_mod if mask_mod is None else mask_mod
@@ -92,42 +98,50 @@ def attention(q, k, v, mask_mod, score_mod, scale, enable_gqa: bool, block_map, 
         if block_map.full_kv_num_blocks is not None:
             tiles += [block_map.full_kv_num_blocks, block_map.full_kv_indices]
         layout = [*block_map.seq_lengths, *block_map.BLOCK_SIZE]
-        mask_key = _key(mask_mod, MaskMod, "the mask_mod of a BlockMask", "build it with maskc.create_block_mask, "
-                        "or wrap the function once: create_block_mask(maskc.mask_mod(fn), ...)")
+        _checked(mask_mod, MaskMod, "the mask_mod of a BlockMask", "build it with maskc.create_block_mask, or wrap "
+                 "the function once: create_block_mask(maskc.mask_mod(fn), ...)")
     else:
         mask_mod = plan.mask_of_call(mask_mod, block_map)
         handle = block_map.handle if block_map is not None else None
-        mask_key = _key(mask_mod, MaskMod, "mask_mod")
-    keys = (mask_key, _key(score_mod, ScoreMod, "score_mod"))
+        _checked(mask_mod, MaskMod, "mask_mod")
+    _checked(score_mod, ScoreMod, "score_mod")
+    mods = tuple(None if mod is None else mod.handle for mod in (mask_mod, score_mod))
     # here, where Dynamo traces the call, and not only where the graph records a backward:
     # where q, k and v need no gradient no backward is recorded, and the captured tensor's
     # gradient would be missing without a word
     _refuse_traced_captured_gradients(mask_mod, score_mod)
     drawn = dropping.draw(dropout_p, None, q.device)
-    out, lse, _ = torch.ops.maskc.attention(q, k, v, *keys, handle, None if scale is None else float(scale),
+    out, lse, _ = torch.ops.maskc.attention(q, k, v, *mods, handle, None if scale is None else float(scale),
                                             enable_gqa, tiles, layout, differentiable,
                                             *((drawn.seed, drawn.keep_min) if drawn else (None, 0)))
     return out, lse
 
 
-def _key(mod, kind, what: str, fix: str | None = None) -> str:
-    if mod is None:
-        return ""
-    if not isinstance(mod, kind):
+def _checked(mod, kind, what: str, fix: str | None = None) -> None:
+    """Refuse a mod an operator cannot name: anything but None or a `kind` (MaskMod, ScoreMod)."""
+    if mod is not None and not isinstance(mod, kind):
         fix = fix or (f"decorate the function with @maskc.{what}, or wrap it once outside the compiled code: "
                       f"maskc.{what}(fn)")
         raise TypeError(f"under torch.compile, {what} must be a maskc.{kind.__name__} ({fix}), got "
                         f"{type(mod).__name__}")
-    return mod.key
+
+
+def _key(mod, kind, what: str) -> str:
+    """The key naming `mod` ("" for None) in the operators a CUDA graph may record: a string,
+    since such a graph takes no CPU tensor (a handle) as an input."""
+    _checked(mod, kind, what)
+    return "" if mod is None else mod.key
 
 
 # -- forward ---------------------------------------------------------------------------------
 @torch.library.custom_op("maskc::attention", mutates_args=(), **_PYTHON_EACH_CALL)
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, score_key: str,
-             map_handle: torch.Tensor | None, scale: float | None, enable_gqa: bool,
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_handle: torch.Tensor | None,
+             score_handle: torch.Tensor | None, map_handle: torch.Tensor | None, scale: float | None, enable_gqa: bool,
              flex_tiles: list[torch.Tensor], flex_layout: list[int], differentiable: bool,
              seed: torch.Tensor | None, keep_min: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    mask, score, block_map, k, v = _inputs(mask_key, score_key, map_handle, q, k, v)
+    mask, score, block_map, k, v = _inputs(mask_handle, score_handle, map_handle, q, k, v)
+    if differentiable:  # a mod named by a handle may be another than the one the graph was traced with
+        _refuse_captured_gradients(mask, score)
     if flex_tiles:
         block_map = converted(flex_tiles, flex_layout[:2], flex_layout[2:], mask)
     dropout = None if seed is None else dropping.Dropout(seed, keep_min)
@@ -145,7 +159,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_key: str, s
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, mask_key, score_key, map_handle, scale, enable_gqa, flex_tiles, flex_layout,
+def _forward_fake(q, k, v, mask_handle, score_handle, map_handle, scale, enable_gqa, flex_tiles, flex_layout,
                   differentiable, seed, keep_min):
     # runs at trace time: wrong inputs fail there, with the eager call's errors
     plan.check_tensors(q, k, v, enable_gqa)
@@ -183,10 +197,19 @@ def converted(tiles, seq_lengths, block_size, mask: MaskMod) -> BlockMap:
     return bm
 
 
-def _inputs(mask_key: str, score_key: str, map_handle, q, k, v):
-    """The mods and map an operator names, and k and v over q's batch (views where shared)."""
-    mask, score = _found(mask_key, mod_of_key), _found(score_key, mod_of_key)
-    block_map = None if map_handle is None else _found(map_handle, BlockMap.of_handle)
+def converted_block_mask(block_mask: BlockMask) -> BlockMap:
+    """The BlockMap of a torch BlockMask with its own mask_mod (traced here), found again as
+    `converted` finds it."""
+    tiles = [getattr(block_mask, name) for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
+                                                    "full_kv_indices")]
+    return converted(tiles, block_mask.seq_lengths, block_mask.BLOCK_SIZE, as_mask_mod(block_mask.mask_mod))
+
+
+def _inputs(mask_name, score_name, map_handle, q, k, v):
+    """The mods and map an operator names (a mod by its handle or key), and k and v over q's
+    batch (views where shared)."""
+    mask, score = _found(mask_name, _mod_named), _found(score_name, _mod_named)
+    block_map = _found(map_handle, BlockMap.of_handle, "block map")
     if k.shape[0] != q.shape[0]:
         k, v = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
     return mask, score, block_map, k, v
@@ -215,6 +238,11 @@ def _captured_gradient_error(mod) -> NotImplementedError:
                                f"calls do): detach it inside the compiled code, or call maskc eagerly")
 
 
+def _mod_named(name):
+    """The mod of a handle (a tensor) or a key (a string)."""
+    return mod_of_key(name) if isinstance(name, str) else mod_of_handle(name)
+
+
 def _token(problem) -> int:
     with _lock:
         token = _serials.get(problem)
@@ -224,13 +252,15 @@ def _token(problem) -> int:
     return token
 
 
-def _found(key, find):
-    if isinstance(key, str) and not key:
+def _found(name, find, what: str = "mod"):
+    """What `find` gives for a name (a handle or key; None or "" name nothing), or an error
+    naming the rule where it no longer lives."""
+    if name is None or (isinstance(name, str) and not name):
         return None
-    found = find(key)
+    found = find(name)
     if found is None:
-        key = f"block map #{int(key)}" if isinstance(key, torch.Tensor) else f"'{key}'"
-        raise RuntimeError(f"maskc::attention names {key}, which no longer lives in this process (or never did): "
+        name = f"{what} #{int(name)}" if isinstance(name, torch.Tensor) else f"'{name}'"
+        raise RuntimeError(f"maskc::attention names {name}, which no longer lives in this process (or never did): "
                            f"the operator is recorded by compiled_attention under torch.compile for mods and maps "
                            f"that the compiled code keeps alive, not called directly")
     return found
@@ -351,7 +381,9 @@ def _backward_fake(q, k, v, out, lse, token, d_out, d_lse, seed, keep_min):
 
 def _setup_context(ctx, inputs, output):
     # again where the graph records the backward: a mod may have been rebound since tracing
-    _refuse_captured_gradients(*(mod_of_key(key) for key in inputs[3:5] if key))  # mask_key, score_key
+    # the mods' handles, where they are real: AOTAutograd records with fake ones, and the operator
+    # checks again when it runs
+    _refuse_captured_gradients(*(mod_of_handle(h) for h in inputs[3:5] if h is not None and not is_fake(h)))
     q, k, v = inputs[:3]
     ctx.n_tiles = len(inputs[8])  # flex_tiles' gradient is a list of as many Nones
     out, lse, token = output
@@ -369,4 +401,4 @@ def _grad(ctx, d_out, d_lse, _):
 _forward.register_autograd(_grad, setup_context=_setup_context)
 
 
-__all__ = ["CONVERTED", "attention", "converted", "decode", "paged"]
+__all__ = ["CONVERTED", "attention", "converted", "converted_block_mask", "decode", "paged"]

@@ -210,7 +210,8 @@ def mask_of_call(mask, block_map):
     if block_map is None:
         return mask
     if not isinstance(block_map, BlockMap):
-        raise TypeError(f"block_map must be a maskc.BlockMap from maskc.block_map(), got {type(block_map).__name__}")
+        raise TypeError(f"block_map must be a maskc.BlockMap from maskc.block_map() or a torch BlockMask from "
+                        f"create_block_mask, got {type(block_map).__name__}")
     return block_map.mask_mod if mask is None else mask
 
 

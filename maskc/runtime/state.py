@@ -111,8 +111,9 @@ def _declared(owner: str, attribute: str, holds: str, bound: str = "", maxsize: 
 # maxsize is checked against the function's own by tests/test_state.py.
 _DEVICES = "one entry per device"
 _SYMPY = 1 << 16
-_declared("maskc.trace.mods", "_BY_KEY", "every live MaskMod and ScoreMod by key (the torch operators name them so)",
-          "weak: an entry goes with its mod; not cleared, as a compiled graph names its mods by key", clears=False)
+_declared("maskc.trace.mods", "_BY_SERIAL", "every live MaskMod and ScoreMod by serial number (the torch operators "
+          "name them by it: a handle or a key)",
+          "weak: an entry goes with its mod; not cleared, as a compiled graph names its mods by it", clears=False)
 _declared("maskc.trace.mods", "_plain_traces", "the mods traced from plain callables that are not functions",
           "weak: an entry goes with its callable")
 _declared("maskc.trace._functions", "_trace", "the latest trace's state (its captured tensors among it)", "one trace",

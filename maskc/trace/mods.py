@@ -11,9 +11,9 @@ import torch
 from maskc.trace.tracer import Traced, callable_name, guards_hold, retraced, trace
 
 
-# Every mod's key, for code that can pass only strings (maskc's torch operators name the mods
-# of a call by their keys): a mod is found by its key while it lives.
-_BY_KEY: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# Every mod by its serial number, which maskc's torch operators take as the mod's handle (that
+# number as a tensor) or its key (a string with it): a mod is found by either while it lives.
+_BY_SERIAL: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _SERIAL = itertools.count()
 
 
@@ -28,8 +28,13 @@ class _Mod:
         if name is not None or not hasattr(self, "__name__"):
             self.__name__ = self.__qualname__ = name or callable_name(self.fn)
         self._set_traced(trace(self, self.kind))
-        self.key = f"{self.__name__}#{next(_SERIAL)}"
-        _BY_KEY[self.key] = self
+        serial = next(_SERIAL)
+        # A string for the operators a CUDA graph may record (it takes no CPU tensor); a tensor
+        # for the others: a compiled graph takes it as an input, so a new mod (a factory's new
+        # window or document ids) runs the same graph, where a string is a constant it guards on.
+        self.key = f"{self.__name__}#{serial}"
+        self.handle = torch.tensor(serial, dtype=torch.int64, device="cpu")  # (not the default device: meta, cuda)
+        _BY_SERIAL[serial] = self
 
     @property
     def traced(self) -> Traced:
@@ -101,7 +106,12 @@ def captured_need_grad_for_dynamo(*mods) -> bool:
 
 def mod_of_key(key: str):
     """The MaskMod or ScoreMod whose `key` this is, or None when it no longer lives."""
-    return _BY_KEY.get(key)
+    return _BY_SERIAL.get(int(key.rpartition("#")[2]))
+
+
+def mod_of_handle(handle: torch.Tensor):
+    """The MaskMod or ScoreMod whose `handle` this is, or None when it no longer lives."""
+    return _BY_SERIAL.get(int(handle))
 
 
 def mask_mod(fn=None, *, name: str | None = None):
