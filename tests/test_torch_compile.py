@@ -514,3 +514,20 @@ def test_a_block_mask_with_a_plain_mask_mod_runs_outside_the_graph_and_another_m
     assert_close_to_reference(compiled(q, theirs), attention_reference(q, q, q, masks.causal)[0], torch.float64)
     with pytest.raises(ValueError, match="a BlockMask carries its own mask_mod"):
         maskc.compiled_attention(q, q, q, mask_mod=masks.sliding_window(4), block_map=theirs)
+
+
+def test_a_new_mod_structure_each_step_warns_once(monkeypatch):
+    # a step that writes its mask anew each time (a new expression, not new values) pays a trace
+    # and a kernel per structure: the operator says so once, naming the mod and the fix
+    monkeypatch.setattr(maskc.runtime.ops, "_STRUCTURES", set())
+    monkeypatch.setattr(maskc.runtime.ops, "_STRUCTURES_WARNED", 3)
+    q = randn(1, HEADS, L, 16, seed=6)
+    compiled = torch.compile(lambda q, mod: maskc.compiled_attention(q, q, q, mask_mod=mod), backend="aot_eager",
+                             fullgraph=True)
+    shapes = [lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, lambda b, h, q_idx, kv_idx: q_idx <= kv_idx,
+              lambda b, h, q_idx, kv_idx: (q_idx + kv_idx) % 3 == 0, lambda b, h, q_idx, kv_idx: q_idx != kv_idx]
+    with pytest.warns(UserWarning, match=r"mods of 3 different structures, the latest mask_mod .*build the mod once "
+                                         r"outside the step") as warned:
+        for fn in shapes:
+            compiled(q, maskc.mask_mod(fn))
+    assert len([w for w in warned if "different structures" in str(w.message)]) == 1

@@ -32,6 +32,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import threading
+import warnings
 import weakref
 
 import torch
@@ -142,6 +143,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_handle: tor
     mask, score, block_map, k, v = _inputs(mask_handle, score_handle, map_handle, q, k, v)
     if differentiable:  # a mod named by a handle may be another than the one the graph was traced with
         _refuse_captured_gradients(mask, score)
+    if mask is not None or score is not None:
+        _note_structure(mask, score)
     if flex_tiles:
         block_map = converted(flex_tiles, flex_layout[:2], flex_layout[2:], mask)
     dropout = None if seed is None else dropping.Dropout(seed, keep_min)
@@ -236,6 +239,31 @@ def _captured_gradient_error(mod) -> NotImplementedError:
     return NotImplementedError(f"{mod.kind} '{mod.__name__}' captures a tensor that requires grad; under "
                                f"torch.compile maskc does not compute gradients of captured tensors yet (eager "
                                f"calls do): detach it inside the compiled code, or call maskc eagerly")
+
+
+# The structures (the mods' trace signatures) maskc::attention has run, up to the count that
+# warns: the graph runs any mod, so a mod of a new structure costs only what it costs eagerly (a
+# trace, and a kernel the first time), which a loop making one each step pays every step.
+_STRUCTURES: set = set()
+_STRUCTURES_WARNED = 8
+state.register(__name__, "_STRUCTURES", "the mod structures the torch.compile operator has run, to warn once where "
+               "a loop makes a new one each step", f"at most {_STRUCTURES_WARNED} signatures",
+               size=lambda: len(_STRUCTURES), clear=_STRUCTURES.clear)
+
+
+def _note_structure(mask, score) -> None:
+    """Warn once where the operator has run as many mod structures as Dynamo's recompile limit
+    allows graphs by default: a step that builds its mod from a new function body each time."""
+    if len(_STRUCTURES) >= _STRUCTURES_WARNED:
+        return
+    _STRUCTURES.add(tuple(None if mod is None else mod.signature for mod in (mask, score)))
+    if len(_STRUCTURES) == _STRUCTURES_WARNED:
+        latest = mask if mask is not None else score
+        warnings.warn(f"maskc under torch.compile has run mods of {_STRUCTURES_WARNED} different structures, the "
+                      f"latest {latest.kind} '{latest.__name__}' ({latest.expr}): a mod whose expression changes costs "
+                      f"a trace and, for each new structure, a kernel compile (seconds on a GPU), every step it "
+                      f"changes; build the mod once outside the step and change only the values it captures (a "
+                      f"window, a tensor)", stacklevel=2)
 
 
 def _mod_named(name):
