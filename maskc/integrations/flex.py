@@ -23,7 +23,7 @@ from maskc.analysis import BlockMap, block_map
 from maskc.analysis.build import IN_PYTHON as ANALYSED_IN_PYTHON
 from maskc.masks import and_masks, or_masks
 from maskc.runtime import compiled_attention, ops, state
-from maskc.runtime.api import CAPTURED_GRADIENTS, PLAIN_FUNCTION, plain_function
+from maskc.runtime.api import CAPTURED_GRADIENTS, PLAIN_FUNCTION, plain_block_mask, plain_function
 from maskc.runtime.tiles import kernel_tiles_of
 from maskc.trace import MaskMod
 from maskc.trace.mods import captured_need_grad_for_dynamo
@@ -109,10 +109,9 @@ def _no_op(block_mask) -> bool:
 
 
 def _plain_mask_mod(block_mask) -> bool:
-    """Whether a torch BlockMask holds a mask_mod maskc has not traced (torch's create_block_mask
-    keeps the function it was given), which the operator cannot name (runtime/ops.py); the no-op
-    one's mask_mod is passed on as mask_mod, where compiled_attention decides."""
-    return isinstance(block_mask, BlockMask) and not _no_op(block_mask) and plain_function(block_mask.mask_mod, None)
+    """compiled_attention's plain_block_mask, but for the no-op BlockMask, whose mask_mod is
+    passed on as mask_mod, where compiled_attention decides."""
+    return not _no_op(block_mask) and plain_block_mask(block_mask)
 
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False,

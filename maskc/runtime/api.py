@@ -48,6 +48,12 @@ def plain_function(mask_mod, score_mod) -> bool:
         score_mod is not None and not isinstance(score_mod, ScoreMod))
 
 
+def plain_block_mask(block_map) -> bool:
+    """Whether `block_map` is a torch BlockMask holding a mask_mod maskc has not traced (torch's
+    create_block_mask keeps the function it was given), which the operator cannot name."""
+    return isinstance(block_map, BlockMask) and plain_function(block_map.mask_mod, None)
+
+
 def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enable_gqa=False, return_lse=False,
                        block_map: BlockMap | None = None, kv_lens: torch.Tensor | None = None,
                        sinks: torch.Tensor | None = None, dropout_p: float = 0.0,
@@ -111,8 +117,7 @@ def compiled_attention(q, k, v, mask_mod=None, score_mod=None, scale=None, enabl
         raise ValueError("a BlockMask carries its own mask_mod, whose tiles it lists; pass mask_mod=None to run it, or "
                          "build the BlockMask from this mask_mod (maskc.create_block_mask(mask_mod, ...))")
     if torch.compiler.is_compiling():
-        if plain_function(mask_mod, score_mod) or (isinstance(block_map, BlockMask)
-                                                   and plain_function(block_map.mask_mod, None)):
+        if plain_function(mask_mod, score_mod) or plain_block_mask(block_map):
             return _compiled_attention_outside_graph(q, k, v, mask_mod, score_mod, scale, enable_gqa, return_lse,
                                                    block_map, kv_lens, sinks, dropout_p, generator)
         if kv_lens is None and captured_need_grad_for_dynamo(mask_mod, score_mod):
