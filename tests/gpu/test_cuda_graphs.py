@@ -160,3 +160,28 @@ def test_a_call_first_made_inside_capture_names_the_rule():
     with pytest.raises(maskc.MaskcError, match="inside CUDA-graph capture"):
         with torch.cuda.graph(graph):
             maskc.compiled_attention(q, k, v, mask_mod=maskc.masks.sliding_window(77), kv_lens=lens)
+
+
+def test_reduce_overhead_prefill_with_a_new_mod_each_step():
+    """maskc::attention names its mods by handles, CPU tensors the graph takes as inputs: under
+    torch.compile(mode="reduce-overhead") a prefill given a new sliding window each step compiles
+    one graph (the operator runs between the graph's parts, tagged cudagraph_unsafe) and gives
+    each step's eager bits."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    gen = torch.Generator("cuda").manual_seed(4)
+    B, H, L, D = 1, 4, 1024, 64
+    k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "kv")
+
+    def step(q, mod):
+        return maskc.compiled_attention(q * 1.0, k, v, mask_mod=mod)
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for window in (64, 200, 17, 500):
+            mod = maskc.masks.sliding_window(window)
+            q = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+            got = compiled(q, mod).clone()
+            assert torch.equal(got, step(q, mod)), f"window {window}"
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == 1, f"{graphs} graphs compiled for 4 windows"
