@@ -52,3 +52,37 @@ def test_dropout_is_reproducible_and_its_rate_holds():
     n = keep.numel()
     dropped = n - int(keep.sum())
     assert abs(dropped - 0.1 * n) < 5 * (0.1 * 0.9 * n) ** 0.5
+
+
+def test_a_captured_dropout_call_draws_a_new_seed_on_each_replay():
+    """The seed is drawn by a torch op from the default CUDA generator, whose offset CUDA graphs
+    advance on each replay (as for SDPA's dropout): replays drop different pairs, and each drops
+    about p of them."""
+    gen = torch.Generator().manual_seed(23)
+    B, H, L, D, p = 1, 4, 512, 64, 0.5
+    q, k = (randn((B, H, L, D), torch.bfloat16, gen) for _ in "qk")
+    # one-hot values: out[..., i, j % D] sums the scaled kept probabilities of keys j ≡ that column
+    v = torch.zeros(B, H, L, D, device="cuda", dtype=torch.bfloat16)
+    v[..., torch.arange(L), torch.arange(L) % D] = 1
+
+    def step():
+        return maskc.compiled_attention(q, k, v, dropout_p=p)
+
+    step()  # plans the call outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    replays = []
+    for _ in range(3):
+        graph.replay()
+        replays.append(out.clone())
+    assert not torch.equal(replays[0], replays[1]) and not torch.equal(replays[1], replays[2])
+    plain = maskc.compiled_attention(q, k, v).float()
+    for got in replays:
+        # each row's mass: about 1 - p of it kept, scaled back by 1 / (1 - p), so the mean is ~1
+        assert abs(got.float().sum(-1).mean().item() - plain.sum(-1).mean().item()) < 0.05
