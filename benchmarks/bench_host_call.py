@@ -26,7 +26,16 @@ tensors to a BlockMap (or finds the conversion again) before it plans. With --de
 rows are few and no gradient is wanted, so the operator asks the decoding kernel, whose choice
 checks the converted map against its mask (BlockMap.agrees_with_mask).
 
-Best and median of 7 rounds of 2000 calls (200 with --flex), µs a call.
+--hf: the decoding step as transformers' eager generate() makes it, one token over a 512-token
+dynamic cache, through a 16-layer LlamaForCausalLM with Llama 3.2 1B's heads (32/8 of dim 64)
+and a small hidden size (256), launches as --decode (9 splits, the H100's choice at this length):
+the time is maskc's attention function
+alone, timed around each layer's call between the model's other work (whose CPU cache
+pollution a loop of calls alone does not have), µs a layer. SDPA's figure on the GPU comes
+from benchmarks/profile_generate_host.py.
+
+Best and median of 7 rounds of 2000 calls (200 with --flex, 100 steps of 16 layers with --hf),
+µs a call.
 """
 from __future__ import annotations
 
@@ -94,11 +103,62 @@ def flex(decoding: bool):
     return lambda: compiled(q, k, v, block_mask)
 
 
+def hf_rounds() -> list[float]:
+    """--hf: seven rounds of 100 decoding steps; µs of maskc's attention function a layer."""
+    import transformers
+    from transformers import AttentionInterface
+
+    import maskc.integrations.transformers as hf
+    _launches_as_on_cuda()
+    hf.register()
+    spent = [0.0]
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = hf.attention_forward(*args, **kwargs)
+        spent[0] += time.perf_counter() - start
+        return out
+
+    AttentionInterface.register("maskc", timed)
+    config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                      intermediate_size=512, num_hidden_layers=16, vocab_size=1000,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    cache = transformers.DynamicCache(config=config)
+    model.config._attn_implementation = "sdpa"  # the prompt's prefill, which is not timed
+    model(torch.randint(0, 1000, (1, 512)), past_key_values=cache, use_cache=True)
+    model.config._attn_implementation = "maskc"
+    token = torch.randint(0, 1000, (1, 1))
+
+    def step():
+        model(token, past_key_values=cache, use_cache=True)
+        cache.crop(-1)  # the same length every step
+
+    for _ in range(10):
+        step()
+    rounds = []
+    for _ in range(7):
+        spent[0] = 0.0
+        for _ in range(100):
+            step()
+        rounds.append(spent[0] / (100 * config.num_hidden_layers) * 1e6)
+    return rounds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--decode", action="store_true", help="time the decoding step instead of the prefill call")
     parser.add_argument("--flex", action="store_true", help="as maskc.flex_attention with a BlockMask, compiled")
+    parser.add_argument("--hf", action="store_true", help="transformers' eager decoding step, layer by layer")
     args = parser.parse_args()
+    if args.hf:
+        # 9 splits: the H100's choice for a row of 513 keys (decode.choose_splits with 132 multiprocessors)
+        with torch.no_grad(), tiles.use_config(decode=tiles.TileConfig(16, 64, 4, 3), splits=9):
+            rounds = hf_rounds()
+        print(f"host work of maskc's attention function in an eager generate() step: best {min(rounds):.1f} µs, "
+              f"median {statistics.median(rounds):.1f} µs a layer")
+        return
     call = flex(args.decode) if args.flex else decode() if args.decode else prefill()
     calls = 200 if args.flex else 2000
     tiles_of_h100 = tiles.use_config(decode=tiles.TileConfig(16, 64, 4, 3), splits=32)
