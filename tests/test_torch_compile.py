@@ -531,3 +531,30 @@ def test_a_new_mod_structure_each_step_warns_once(monkeypatch):
         for fn in shapes:
             compiled(q, maskc.mask_mod(fn))
     assert len([w for w in warned if "different structures" in str(w.message)]) == 1
+
+
+def test_twenty_steps_of_new_documents_windows_and_maps_compile_one_frame_each():
+    """#46's count: a compiled training step given new document ids, a new window or a new block
+    map on each of 20 steps compiles once per kind, and every fifth step matches eager."""
+    def step(q, k, v, mask_mod, block_map):
+        return maskc.compiled_attention(q, k, v, mask_mod=mask_mod, block_map=block_map)
+
+    gen = torch.Generator().manual_seed(7)
+    kinds = {
+        "documents": lambda i: (masks.document(torch.sort(torch.randint(0, 4, (L,), generator=gen)).values,
+                                               causal=True), None),
+        "windows": lambda i: (masks.sliding_window(1 + i), None),
+        "maps": lambda i: (None, maskc.block_map(masks.sliding_window(2 + 2 * i), L, L, block_size=16)),
+    }
+    for kind, made in kinds.items():
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(step, backend=counter, fullgraph=True)
+        for i in range(20):
+            mods = made(i)
+            leaves = [randn(1, HEADS, L, DIM // HEADS, seed=100 + 3 * i + s).requires_grad_() for s in range(3)]
+            out = compiled(*leaves, *mods)
+            out.sum().backward()
+            if i % 5 == 4:
+                _assert_same(out, step(*(t.detach() for t in leaves), *mods))
+        assert counter.frame_count == 1, f"{kind}: {counter.frame_count} frames in 20 steps"
