@@ -205,7 +205,7 @@ class BlockMap:
             full_num, full_idx = _flex_lists(dense == FULL)
         else:
             (kv_num, kv_idx), full_num, full_idx = _flex_lists(dense != EMPTY), None, None
-        # the MaskMod itself (callable as the function): under torch.compile maskc names it by its key
+        # the MaskMod itself (callable as the function): under torch.compile maskc names it by its handle
         return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=self.block_size,
                                         mask_mod=self.mask_mod, seq_lengths=(self.q_len, self.kv_len))
 

@@ -10,7 +10,7 @@ their module is imported.
 
 Some entries are state rather than caches, listed so that `cache_info()` shows all that lives
 beside the calls; `clear_caches()` leaves them (their `clear` is None, and `bound` says why):
-the weak tables that find live objects by name (mods by key, block maps by serial: maskc's
+the weak tables that find live objects by name (mods and block maps by serial number: maskc's
 torch operators name them so), the compiles under way, and the tiles a `use_config` block forces.
 """
 from __future__ import annotations
